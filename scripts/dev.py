@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Set up a development environment and run Pepsi or its tests.
+
+Needs only Python >= 3.11 with pip and venv. Creates `.venv/` in the checkout,
+installs the project (editable, with the dev extras) when pyproject.toml
+changed since the last install, then:
+
+    python3 scripts/dev.py run    # the main job on the embedded database
+    python3 scripts/dev.py test   # ruff, mypy and the whole test suite
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv"
+BIN = VENV / "bin"
+STAMP = VENV / ".pepsi-install-stamp"
+
+
+def _run(*cmd: str | Path) -> int:
+    print("+", " ".join(str(c) for c in cmd), flush=True)
+    return subprocess.call([str(c) for c in cmd], cwd=ROOT)
+
+
+def ensure_venv() -> None:
+    if not (BIN / "python").exists():
+        print(f"creating {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if STAMP.exists() and STAMP.read_text() == digest:
+        return
+    pip = [BIN / "python", "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    if _run(*pip, "--upgrade", "pip") != 0 or _run(*pip, "-e", f"{ROOT}[dev]") != 0:
+        sys.exit("dev.py: installing the project failed (see pip's output above)")
+    STAMP.write_text(digest)
+
+
+def cmd_run(args: list[str]) -> int:
+    pepsi = BIN / "pepsi"
+    for step in (["setup", "schema"], ["db", "status"]):
+        rc = _run(pepsi, *step)
+        if rc != 0:
+            return rc
+    return 0
+
+
+def cmd_test(args: list[str]) -> int:
+    checks: list[list[str | Path]] = [
+        [BIN / "ruff", "check", "src", "tests", "scripts"],
+        [BIN / "ruff", "format", "--check", "src", "tests", "scripts"],
+        [BIN / "mypy"],
+        [BIN / "pytest", *args],
+    ]
+    failed = [c for c in checks if _run(*c) != 0]
+    if failed:
+        print(f"dev.py: {len(failed)} check(s) failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main() -> int:
+    commands = {"run": cmd_run, "test": cmd_test}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        print(f"usage: python3 scripts/dev.py {{{'|'.join(commands)}}} [ARGS...]", file=sys.stderr)
+        return 2
+    ensure_venv()
+    os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+    return commands[sys.argv[1]](sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""`pepsi` and its aliases (`pepsi-setup`, `pepsi-config`, …).
+
+Global options come before the subcommand, everywhere: `pepsi -c FILE config
+check`, `pepsi-setup -L debug schema`. A global flag after the subcommand is
+rejected with one line rather than silently meaning something else. Every
+user mistake ends in one line on stderr and an exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pepsi import __version__
+from pepsi.config import Config, load_config
+from pepsi.errors import EX_ERROR, EX_OK, EX_USAGE, PepsiError
+
+# Global options, as the pre-scan needs to know them.
+_GLOBAL_VALUED = ("-c", "--config", "-L", "--log")
+_GLOBAL_FLAGS = ("-v", "--verbose", "-V", "--version", "-h", "--help")
+_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class UsageError(PepsiError):
+    exit_code = EX_USAGE
+
+
+@dataclass
+class Context:
+    """What every command handler gets: the global options, the config on demand."""
+
+    prog: str
+    config_path: Path | None
+    verbose: bool
+    _config: Config | None = field(default=None, repr=False)
+
+    def config(self) -> Config:
+        if self._config is None:
+            self._config = load_config(self.config_path)
+        return self._config
+
+
+Handler = Callable[[argparse.Namespace, Context], int]
+
+
+def _global_token(token: str) -> str | None:
+    """The global option `token` spells (in any of argparse's forms), else None."""
+    for option in _GLOBAL_VALUED:
+        if token == option or (option.startswith("--") and token.startswith(option + "=")):
+            return option
+        if not option.startswith("--") and token.startswith(option) and len(token) > 2:
+            return option
+    return token if token in _GLOBAL_FLAGS else None
+
+
+def split_globals(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split argv into the global options and the rest (subcommand onwards)."""
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        option = _global_token(token)
+        if option is None:
+            break
+        i += 2 if token in _GLOBAL_VALUED else 1
+    return list(argv[:i]), list(argv[i:])
+
+
+def reject_trailing_globals(rest: Sequence[str]) -> None:
+    """A global option after the subcommand is an error (help excepted)."""
+    for token in rest[1:]:
+        if token == "--":
+            return
+        option = _global_token(token)
+        if option is not None and option not in ("-h", "--help"):
+            raise UsageError(
+                f"global option {option} must come before the subcommand "
+                f"(e.g. pepsi {option} ... {rest[0]} ...)"
+            )
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    from pepsi.commands import COMMANDS  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Pepsi: a durable message pipeline stored in PostgreSQL.",
+        epilog="Global options must precede the subcommand.",
+    )
+    parser.add_argument(
+        "-c", "--config", metavar="FILE", type=Path, help="read configuration from FILE"
+    )
+    parser.add_argument(
+        "-L",
+        "--log",
+        metavar="LEVEL",
+        default="info",
+        type=str.lower,
+        choices=_LEVELS,
+        help="log level: %(choices)s (default %(default)s)",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log from all sources, not only Pepsi"
+    )
+    parser.add_argument("-V", "--version", action="version", version=version_text())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for register in COMMANDS:
+        register(sub)
+    return parser
+
+
+def version_text() -> str:
+    from pepsi.db.schema import build_version  # noqa: PLC0415
+
+    return f"pepsi {__version__} (schema version {build_version()})"
+
+
+def setup_logging(level: str, verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    if not verbose:
+        handler.addFilter(lambda record: record.name.split(".")[0] == "pepsi")
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def main(argv: Sequence[str] | None = None, *, command: str | None = None) -> int:
+    """Entry point of `pepsi`; with `command`, of the alias `pepsi-<command>`."""
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    prog = f"pepsi-{command}" if command else "pepsi"
+    try:
+        head, rest = split_globals(args_in)
+        if command:
+            rest = [command, *rest]
+        reject_trailing_globals(rest)
+        parser = build_parser(prog)
+        args = parser.parse_args([*head, *rest])
+        setup_logging(args.log, args.verbose)
+        context = Context(prog=prog, config_path=args.config, verbose=args.verbose)
+        handler: Handler = args.handler
+        return handler(args, context)
+    except PepsiError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return EX_ERROR
+
+
+def _alias(command: str) -> Callable[[], int]:
+    def entry() -> int:
+        return main(command=command)
+
+    entry.__name__ = f"main_{command}"
+    return entry
+
+
+main_setup = _alias("setup")
+main_config = _alias("config")
+main_db = _alias("db")
+
+__all__ = ["EX_OK", "main", "main_config", "main_db", "main_setup"]

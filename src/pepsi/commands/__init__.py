@@ -1,0 +1,15 @@
+"""Subcommands of `pepsi`: each module registers one on the parser.
+
+Only commands that work are registered (and so listed in --help).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from pepsi.commands import config_cmd, db_cmd, setup_cmd
+
+Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+COMMANDS: tuple[Register, ...] = (setup_cmd.register, config_cmd.register, db_cmd.register)

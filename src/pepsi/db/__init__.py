@@ -1,0 +1,1 @@
+"""Database access: connections, the embedded server, schema, named queries."""
