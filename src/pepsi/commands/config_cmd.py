@@ -6,11 +6,12 @@ import argparse
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.table import Table
 
 from pepsi.config import Config, default_locations, find_config
 from pepsi.durations import format_duration
 from pepsi.errors import EX_OK, ConfigError
+from pepsi.terminal import console as make_console
+from pepsi.terminal import table as make_table
 
 if TYPE_CHECKING:
     from pepsi.cli import Context
@@ -33,7 +34,7 @@ def run_check(args: argparse.Namespace, ctx: Context) -> int:
         searched = ", ".join(str(p) for p in default_locations())
         raise ConfigError(f"no configuration file found (searched {searched}; use -c FILE)")
     config = ctx.config()
-    console = Console()
+    console = make_console()
     render_graph(config, console)
     for warning in config.warnings:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
@@ -57,9 +58,7 @@ def chains(config: Config) -> list[list[str]]:
 
 
 def render_graph(config: Config, console: Console) -> None:
-    table = Table(title=f"Stages in {config.path}", title_justify="left")
-    for column in ("stage", "runs", "next", "bounce", "workers × queue", "max runtime"):
-        table.add_column(column)
+    table = make_table("stages", "stage", "runs", "next", "bounce", "pool", "max runtime")
     for stage in config.stages.values():
         runs = f"handler {stage.handler}" if stage.handler else f"program {stage.program}"
         table.add_row(

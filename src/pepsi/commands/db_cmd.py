@@ -12,6 +12,8 @@ from pepsi.db import connect, schema
 from pepsi.db.embedded import EmbeddedServer
 from pepsi.db.queries import query
 from pepsi.errors import EX_OK, PepsiError
+from pepsi.terminal import console as make_console
+from pepsi.terminal import table as make_table
 
 if TYPE_CHECKING:
     from pepsi.cli import Context
@@ -70,7 +72,7 @@ def run_url(args: argparse.Namespace, ctx: Context) -> int:
 
 def run_status(args: argparse.Namespace, ctx: Context) -> int:
     config = ctx.config()
-    console = Console()
+    console = make_console()
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="bold")
     facts.add_column()
@@ -108,10 +110,7 @@ def render_queue(console: Console, rows: list[tuple[object, ...]]) -> None:
     counts: dict[str, dict[str, int]] = {}
     for stage, status, messages in rows:
         counts.setdefault(str(stage), {})[str(status)] = int(str(messages))
-    table = Table(title="queue", title_justify="left")
-    table.add_column("stage")
-    for status in statuses:
-        table.add_column(status, justify="right")
+    table = make_table("queue", "stage", *statuses)
     for stage, by_status in counts.items():
         table.add_row(stage, *(str(by_status.get(s, 0)) for s in statuses))
     console.print(table)

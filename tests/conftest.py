@@ -1,0 +1,87 @@
+"""Shared fixtures: one embedded PostgreSQL per test session, a template
+database holding the schema, and a fresh database per test that needs one."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import conninfo, sql
+
+from pepsi.db import schema
+from pepsi.db.embedded import EmbeddedServer
+
+TEMPLATE = "pepsi_template"
+
+
+def with_dbname(dsn: str, dbname: str) -> str:
+    return conninfo.make_conninfo(dsn, dbname=dbname)
+
+
+@pytest.fixture(scope="session")
+def pg_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
+    server = EmbeddedServer(tmp_path_factory.mktemp("pg") / "data")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def admin_dsn(pg_server: EmbeddedServer) -> str:
+    dsn = pg_server.uri()
+    assert dsn is not None
+    return with_dbname(dsn, "postgres")
+
+
+@pytest.fixture(scope="session")
+def template_dsn(admin_dsn: str) -> str:
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(TEMPLATE)))
+    dsn = with_dbname(admin_dsn, TEMPLATE)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        schema.install(conn)
+    return dsn
+
+
+def _fresh(admin_dsn: str, template: str) -> Iterator[str]:
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(template)
+            )
+        )
+    yield with_dbname(admin_dsn, name)
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def dsn(admin_dsn: str, template_dsn: str) -> Iterator[str]:
+    """A fresh database with the current schema installed."""
+    yield from _fresh(admin_dsn, TEMPLATE)
+
+
+@pytest.fixture
+def empty_dsn(admin_dsn: str) -> Iterator[str]:
+    """A fresh database without the schema."""
+    yield from _fresh(admin_dsn, "template0")
+
+
+@pytest.fixture
+def conn(dsn: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        yield connection
+
+
+@pytest.fixture
+def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No PEPSI_DSN, no config found in the default locations."""
+    monkeypatch.delenv("PEPSI_DSN", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

@@ -1,0 +1,131 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pepsi.cli import main, split_globals
+from pepsi.db.queries import parse_named
+
+CONF = """
+[stage-inbound]
+HANDLER = examples.demo:inbound
+NEXT = deliver
+[stage-deliver]
+PROGRAM = /usr/bin/deliver
+"""
+
+
+def test_split_globals() -> None:
+    assert split_globals(["-c", "f", "-v", "config", "check"]) == (
+        ["-c", "f", "-v"],
+        ["config", "check"],
+    )
+    assert split_globals(["--config=f", "-Ldebug", "db", "url"]) == (
+        ["--config=f", "-Ldebug"],
+        ["db", "url"],
+    )
+    assert split_globals(["db"]) == ([], ["db"])
+
+
+@pytest.mark.parametrize("flag", ["-v", "--verbose", "-c", "--config=x", "-L", "--log", "-V"])
+def test_trailing_global_flag_is_rejected_in_one_line(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["config", "check", flag]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "must come before the subcommand" in err
+
+
+def test_help_after_subcommand_is_allowed(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["config", "check", "--help"])
+    assert info.value.code == 0
+    assert "stage graph" in capsys.readouterr().out
+
+
+def test_help_lists_only_working_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("setup", "config", "db"):
+        assert command in out
+    assert "Global options must precede the subcommand" in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["-V"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.startswith("pepsi 0.1.0 (schema version ")
+
+
+def test_bad_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["-L", "loud", "config", "check"])
+    assert info.value.code == 2
+    assert "invalid choice: 'loud'" in capsys.readouterr().err
+
+
+def test_config_check_prints_the_graph(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "pepsi.conf"
+    path.write_text(CONF)
+    assert main(["-c", str(path), "config", "check"]) == 0
+    out = capsys.readouterr().out
+    assert "inbound → deliver → done" in out
+    assert "examples.demo:inbound" in out
+    assert f"{path}: OK" in out.replace("\n", "")
+
+
+def test_config_check_error_is_one_line_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "pepsi.conf"
+    path.write_text(CONF + "NEXT = nowhere\n")
+    assert main(["-c", str(path), "config", "check"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"pepsi: {path}: [stage-deliver] NEXT: no stage named 'nowhere' (no [stage-nowhere])\n"
+    )
+
+
+def test_config_check_without_any_file(
+    isolated_env: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["config", "check"]) == 1
+    assert "no configuration file found" in capsys.readouterr().err
+
+
+def test_alias_behaves_like_the_subcommand(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "pepsi.conf"
+    path.write_text(CONF)
+    assert main(["-c", str(path), "check"], command="config") == 0
+    via_alias = capsys.readouterr().out
+    assert main(["-c", str(path), "config", "check"]) == 0
+    assert capsys.readouterr().out == via_alias
+    assert main(["check", "-v"], command="config") == 2
+    assert "pepsi-config: global option -v" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["pepsi", "pepsi-config", "pepsi-setup"])
+def test_console_scripts_are_installed(script: str, tmp_path: Path) -> None:
+    path = tmp_path / "pepsi.conf"
+    path.write_text(CONF)
+    exe = Path(sys.executable).parent / script
+    args = ["-c", str(path), "config", "check"] if script == "pepsi" else ["--help"]
+    done = subprocess.run([exe, *args], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_named_queries_parse() -> None:
+    text = "-- name: a_get\nSELECT 1;\n\n-- name: b_set\nUPDATE x SET y = 1;\n"
+    assert parse_named(text) == {"a_get": "SELECT 1;", "b_set": "UPDATE x SET y = 1;"}
+    with pytest.raises(ValueError, match="defined twice"):
+        parse_named(text + "-- name: a_get\nSELECT 2;\n")

@@ -1,0 +1,233 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pepsi.config import (
+    Config,
+    Overflow,
+    RawSections,
+    RawValue,
+    load_config,
+    merge_overlay,
+    parse_config,
+    read_file,
+)
+from pepsi.errors import ConfigError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "pepsi.conf"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def load(tmp_path: Path, text: str) -> Config:
+    return load_config(write(tmp_path, text))
+
+
+def error(tmp_path: Path, text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path, text)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(str(tmp_path / "pepsi.conf"))
+    return message
+
+
+PIPELINE = """
+[stage-inbound]
+HANDLER = examples.demo:inbound
+NEXT = deliver
+[stage-deliver]
+PROGRAM = /usr/bin/deliver
+BOUNCE_STAGE = bounce
+[stage-bounce]
+HANDLER = pepsi.stages.bounce:run
+"""
+
+
+def test_defaults_follow_the_manual(tmp_path: Path) -> None:
+    config = load(tmp_path, "[stage-a]\nHANDLER = m:f\n")
+    stage = config.stages["a"]
+    assert (stage.parallelism, stage.queue_limit, stage.max_messages) == (4, 4, 1000)
+    assert stage.max_lifetime == 120 * 3600
+    assert stage.capacity == 16
+    assert stage.overflow is Overflow.REJECT_PUBLISH
+    assert stage.next is None
+    assert stage.bounce_stage is None
+    assert stage.fusion is None
+    assert config.pepsi.allow_fusion is True
+    assert config.dispatch.fair_scheduling is True
+    assert config.dispatch.fair_half_life == 60
+    assert config.dispatch.fair_fifo_percent == 10
+    assert config.dispatch.worker_idle_timeout == 5
+    assert config.postgres.worker_synchronous_commit is False
+    assert config.postgres.dsn is None
+
+
+def test_full_file_parses(tmp_path: Path) -> None:
+    config = load(
+        tmp_path,
+        """
+[pepsi]
+ALLOW_FUSION = no
+share_telemetry = yes   # keys are case-insensitive, kept upper-case
+[pepsi-dispatch]
+CONFIG_FILE = /etc/pepsi/pepsi.conf
+POLL_INTERVAL = 2s
+STATS_INTERVAL = 1m
+FAIR_SCHEDULING = off
+FAIR_HALF_LIFE = 2m
+FAIR_FIFO_PERCENT = 25
+WORKER_IDLE_TIMEOUT = 500ms
+[pepsi-postgres]
+DSN = postgresql://u@h/db
+DATA_DIR = data
+WORKER_SYNCHRONOUS_COMMIT = yes
+POOL_MIN_SIZE = 2
+POOL_MAX_SIZE = 8
+[stage-a]
+HANDLER = pkg.mod:func
+PARALLELISM = 2
+QUEUE_LIMIT = 8
+MAX_MESSAGES = 50
+MAX_RUNTIME = 30s
+MAX_LIFETIME = 1h
+FUSION = yes
+MAX_LENGTH = 1000
+OVERFLOW = drop-head
+TTL = 10m
+"""
+        + PIPELINE.replace("[stage-inbound]", "[stage-inbound]\nMAX_RUNTIME=1h30m"),
+    )
+    assert config.pepsi == config.pepsi.__class__(allow_fusion=False, share_telemetry=True)
+    assert config.dispatch.config_file == Path("/etc/pepsi/pepsi.conf")
+    assert config.dispatch.poll_interval == 2
+    assert config.dispatch.worker_idle_timeout == 0.5
+    assert config.dispatch.fair_fifo_percent == 25
+    assert config.postgres.data_dir == tmp_path / "data"  # relative to the file
+    assert config.postgres.worker_synchronous_commit is True
+    a = config.stages["a"]
+    assert (a.parallelism, a.queue_limit, a.max_messages, a.max_runtime) == (2, 8, 50, 30)
+    assert (a.max_length, a.overflow, a.ttl, a.fusion) == (1000, Overflow.DROP_HEAD, 600, True)
+    assert config.stages["inbound"].max_runtime == 5400
+    assert config.entry_stages() == ["a", "inbound"]
+    assert config.warnings == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "problem"),
+    [
+        ("[stage-a]\nHANDLER = m:f\nPARALLELISM = many\n", "[stage-a] PARALLELISM:", "integer"),
+        (
+            "[stage-a]\nHANDLER = m:f\nPARALLELISM = 0\n",
+            "[stage-a] PARALLELISM:",
+            "between 1 and 1000",
+        ),
+        ("[stage-a]\nHANDLER = m:f\nQUEUE_LIMIT = -1\n", "[stage-a] QUEUE_LIMIT:", "between 1"),
+        ("[stage-a]\nHANDLER = m:f\nMAX_RUNTIME = soon\n", "[stage-a] MAX_RUNTIME:", "duration"),
+        ("[stage-a]\nHANDLER = m:f\nMAX_RUNTIME = 0s\n", "[stage-a] MAX_RUNTIME:", "at least"),
+        ("[stage-a]\nHANDLER = m:f\nFUSION = maybe\n", "[stage-a] FUSION:", "yes or no"),
+        ("[stage-a]\nHANDLER = m:f\nOVERFLOW = drop\n", "[stage-a] OVERFLOW:", "drop-head"),
+        ("[stage-a]\nHANDLER = m:f\nMAX_LENGTH = 0\n", "[stage-a] MAX_LENGTH:", "at least 1"),
+        ("[stage-a]\nHANDLER = m:f\nPARALLELISIM = 2\n", "[stage-a] PARALLELISIM:", "PARALLELISM?"),
+        ("[stage-a]\nHANDLER = module\n", "[stage-a] HANDLER:", "package.module:function"),
+        ("[stage-a]\nPROGRAM = bin/worker\n", "[stage-a] PROGRAM:", "absolute path"),
+        ("[stage-a]\nPROGRAM =\n", "[stage-a] PROGRAM:", "must not be empty"),
+        ("[stage-a]\nHANDLER = m:f\nPROGRAM = /bin/x\n", "[stage-a]", "exactly one"),
+        ("[stage-a]\nNEXT = a\n", "[stage-a]", "set PROGRAM"),
+        ("[stage-a]\nHANDLER = m:f\nNEXT = b\n", "[stage-a] NEXT:", "no stage named 'b'"),
+        ("[stage-a]\nHANDLER = m:f\nNEXT = Bad!\n", "[stage-a] NEXT:", "not a stage name"),
+        ("[stage-a]\nHANDLER = m:f\nBOUNCE_STAGE = x\n", "[stage-a] BOUNCE_STAGE:", "no stage"),
+        ("[stage-a]\nHANDLER = m:f\nBOUNCE_STAGE = a\n", "[stage-a] BOUNCE_STAGE:", "itself"),
+        ("[stage-A]\nHANDLER = m:f\n", "[stage-A]", "stage names are lower-case"),
+        ("[stages-a]\nHANDLER = m:f\n", "[stages-a]", "unknown section"),
+        ("[DEFAULT]\nX = 1\n", "[DEFAULT]", "unknown section"),
+        ("[pepsi]\nALLOW_FUSION = sure\n", "[pepsi] ALLOW_FUSION:", "yes or no"),
+        ("[pepsi]\nFUSION = yes\n", "[pepsi] FUSION:", "unknown key"),
+        ("[pepsi-dispatch]\nPOLL_INTERVAL = x\n", "[pepsi-dispatch] POLL_INTERVAL:", "duration"),
+        ("[pepsi-dispatch]\nFAIR_FIFO_PERCENT = 101\n", "FAIR_FIFO_PERCENT:", "between 0 and 100"),
+        (
+            "[pepsi-dispatch]\nCONFIG_FILE = pepsi.conf\n",
+            "[pepsi-dispatch] CONFIG_FILE:",
+            "absolute",
+        ),
+        ("[pepsi-postgres]\nPOOL_MIN_SIZE = 0\n", "[pepsi-postgres] POOL_MIN_SIZE:", "between 1"),
+        ("[pepsi-postgres]\nPOOL_MIN_SIZE = 5\nPOOL_MAX_SIZE = 2\n", "POOL_MAX_SIZE:", "at least"),
+        ("[pepsi-postgres]\nDSN =\n", "[pepsi-postgres] DSN:", "must not be empty"),
+        ("[pepsi]\nALLOW_FUSION = yes\nALLOW_FUSION = no\n", "[pepsi] ALLOW_FUSION:", "twice"),
+        ("[pepsi]\n[pepsi]\n", "[pepsi]", "section appears twice"),
+        ("ALLOW_FUSION = yes\n", "line 1", "before any [section]"),
+        ("[pepsi]\nthis line has no equals sign\n", "line 2", "cannot parse"),
+    ],
+)
+def test_errors_name_file_section_and_key(
+    tmp_path: Path, text: str, where: str, problem: str
+) -> None:
+    message = error(tmp_path, text)
+    assert where in message
+    assert problem in message
+
+
+def test_missing_and_unreadable_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="configuration file not found"):
+        load_config(tmp_path / "nope.conf")
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_file(tmp_path)
+    bad = tmp_path / "latin1.conf"
+    bad.write_bytes(b"[pepsi]\n# caf\xe9\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(bad)
+
+
+def test_default_locations_searched_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    xdg = tmp_path / "xdg"
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(xdg))
+    assert load_config().path is None  # nothing found: defaults, no stages
+    (xdg / "pepsi").mkdir(parents=True)
+    (xdg / "pepsi" / "pepsi.conf").write_text("[stage-x]\nHANDLER = m:f\n")
+    assert list(load_config().stages) == ["x"]
+    (tmp_path / "pepsi.conf").write_text("[stage-y]\nHANDLER = m:f\n")
+    config = load_config()
+    assert list(config.stages) == ["y"]
+    assert config.path == tmp_path / "pepsi.conf"
+
+
+def test_warnings_for_cycles_and_idle_overflow(tmp_path: Path) -> None:
+    config = load(
+        tmp_path,
+        "[stage-a]\nHANDLER = m:f\nNEXT = b\nOVERFLOW = drop-head\n"
+        "[stage-b]\nHANDLER = m:f\nNEXT = a\n",
+    )
+    assert any("OVERFLOW has no effect" in w for w in config.warnings)
+    assert any("a -> b -> a" in w for w in config.warnings)
+
+
+def test_overlay_overrides_and_removes(tmp_path: Path) -> None:
+    raw = read_file(write(tmp_path, PIPELINE + "PARALLELISM = 3\n"))
+    merged = merge_overlay(
+        raw,
+        [
+            ("stage-bounce", "parallelism", None),
+            ("stage-deliver", "PARALLELISM", "7"),
+            ("stage-extra", "HANDLER", "m:f"),
+        ],
+    )
+    config = parse_config(merged, tmp_path / "pepsi.conf")
+    assert config.stages["bounce"].parallelism == 4
+    assert config.stages["deliver"].parallelism == 7
+    assert "extra" in config.stages
+
+
+def test_overlay_errors_name_the_overlay(tmp_path: Path) -> None:
+    raw: RawSections = {"stage-a": {"HANDLER": RawValue("m:f", "pepsi.conf")}}
+    merged = merge_overlay(raw, [("stage-a", "PARALLELISM", "lots")])
+    with pytest.raises(ConfigError, match=r"^pepsi.config_override: \[stage-a\] PARALLELISM:"):
+        parse_config(merged)
+    with pytest.raises(ConfigError, match="not reloadable"):
+        merge_overlay(raw, [("pepsi-dispatch", "POLL_INTERVAL", "1s")])
