@@ -72,6 +72,12 @@ def empty_dsn(admin_dsn: str) -> Iterator[str]:
 
 
 @pytest.fixture
+def other_empty_dsn(admin_dsn: str) -> Iterator[str]:
+    """A second fresh database without the schema."""
+    yield from _fresh(admin_dsn, "template0")
+
+
+@pytest.fixture
 def conn(dsn: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
     with psycopg.connect(dsn, autocommit=True) as connection:
         yield connection

@@ -128,3 +128,9 @@ def _is_root() -> bool:
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+def bin_dir() -> Path:
+    """The directory of the wheel's PostgreSQL programs (psql, pg_dump, …)."""
+    path: Path = _module()._commands.POSTGRES_BIN_PATH
+    return path

@@ -1,0 +1,158 @@
+"""The workqueue table itself: sender_key (D-3), bodies and their sweep (D-2)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psycopg
+import pytest
+
+from pepsi.db.queries import query
+
+Conn = psycopg.Connection[tuple[object, ...]]
+
+
+def insert(conn: Conn, body_id: int | None = None, **columns: object) -> int:
+    columns = {"stage": "s", **columns}
+    if body_id is not None:
+        columns["body_id"] = body_id
+    names = ", ".join(columns)
+    marks = ", ".join(["%s"] * len(columns))
+    row = conn.execute(
+        f"INSERT INTO pepsi.workqueue ({names}) VALUES ({marks}) RETURNING workqueue_id",
+        list(columns.values()),
+    ).fetchone()
+    assert row is not None
+    return int(str(row[0]))
+
+
+def sender_key(conn: Conn, **columns: object) -> str:
+    row_id = insert(conn, **columns)
+    row = conn.execute(
+        "SELECT sender_key FROM pepsi.workqueue WHERE workqueue_id = %s", (row_id,)
+    ).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+@pytest.mark.parametrize(
+    ("columns", "expected"),
+    [
+        # an authenticated submitter wins whatever else the row says
+        (
+            {"origin_user": "alice", "origin_peer": "192.0.2.7", "sender": "x@y.org"},
+            "user:alice",
+        ),
+        # else the connecting peer: IPv4 by its address
+        ({"origin_peer": "192.0.2.7", "sender": "x@Example.ORG"}, "ip:192.0.2.7"),
+        # IPv6 by its /64: two hosts of one /64 are one sender
+        ({"origin_peer": "2001:db8:1:2:aaaa::1"}, "ip:2001:db8:1:2::/64"),
+        ({"origin_peer": "2001:db8:1:2:ffff:ffff:ffff:ffff"}, "ip:2001:db8:1:2::/64"),
+        ({"origin_peer": "2001:db8:1:3::1"}, "ip:2001:db8:1:3::/64"),
+        # a message Pepsi created itself: the envelope sender's domain
+        ({"sender": "Reports@Example.ORG", "recipients": ["a@b.c"]}, "from:example.org"),
+        ({"sender": "postmaster"}, "from:postmaster"),
+        # null sender: the first recipient's domain
+        ({"sender": "", "recipients": ["bob@Dest.example", "c@other"]}, "null:dest.example"),
+        ({"sender": None, "recipients": ["bob@dest.example"]}, "null:dest.example"),
+        ({"sender": ""}, "null:"),
+    ],
+)
+def test_sender_key(conn: Conn, columns: dict[str, object], expected: str) -> None:
+    assert sender_key(conn, **columns) == expected
+
+
+def new_body(conn: Conn, body: bytes = b"hello") -> int:
+    row = conn.execute(
+        "INSERT INTO pepsi.workqueue_body (header, body) VALUES (%s, %s) RETURNING body_id",
+        (b"Subject: x\r\n", body),
+    ).fetchone()
+    assert row is not None
+    return int(str(row[0]))
+
+
+def body_exists(conn: Conn, body_id: int) -> bool:
+    row = conn.execute(
+        "SELECT count(*) FROM pepsi.workqueue_body WHERE body_id = %s", (body_id,)
+    ).fetchone()
+    assert row is not None
+    return bool(row[0])
+
+
+def test_body_goes_with_its_last_row(conn: Conn) -> None:
+    body = new_body(conn)
+    first, second = insert(conn, body), insert(conn, body)
+    conn.execute("DELETE FROM pepsi.workqueue WHERE workqueue_id = %s", (first,))
+    assert body_exists(conn, body)  # still shared by the split row
+    conn.execute("DELETE FROM pepsi.workqueue WHERE workqueue_id = %s", (second,))
+    assert not body_exists(conn, body)
+
+
+def test_replaced_body_is_released(conn: Conn) -> None:
+    old, new = new_body(conn, b"old"), new_body(conn, b"new")
+    row = insert(conn, old)
+    conn.execute("UPDATE pepsi.workqueue SET body_id = %s WHERE workqueue_id = %s", (new, row))
+    assert not body_exists(conn, old)
+    assert body_exists(conn, new)
+
+
+def test_concurrent_deletes_of_the_last_two_rows_leave_no_orphan(dsn: str) -> None:
+    """Without the body lock each delete would see the other row and keep the body."""
+    with psycopg.connect(dsn, autocommit=True) as setup:
+        body = new_body(setup)
+        first, second = insert(setup, body), insert(setup, body)
+    errors: list[BaseException] = []
+    with psycopg.connect(dsn) as holder, psycopg.connect(dsn) as other:
+        holder.execute("DELETE FROM pepsi.workqueue WHERE workqueue_id = %s", (first,))
+        other_pid = other.info.backend_pid
+
+        def delete_second() -> None:
+            try:
+                other.execute("DELETE FROM pepsi.workqueue WHERE workqueue_id = %s", (second,))
+                other.commit()
+            except psycopg.Error as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=delete_second)
+        thread.start()
+        with psycopg.connect(dsn, autocommit=True) as watch:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # until the second delete waits on the lock
+                row = watch.execute(
+                    "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (other_pid,)
+                ).fetchone()
+                if row is not None and row[0] == "Lock":
+                    break
+                time.sleep(0.01)
+            else:
+                pytest.fail("the second delete never waited for the body lock")
+        holder.commit()
+        thread.join(timeout=10)
+    assert errors == []
+    with psycopg.connect(dsn, autocommit=True) as check:
+        assert not body_exists(check, body)
+
+
+def test_gc_sweeps_orphans_with_a_cursor(conn: Conn) -> None:
+    kept = new_body(conn)
+    insert(conn, kept)
+    orphans = [new_body(conn) for _ in range(5)]  # bodies no row references
+    deleted, cursor = 0, 0
+    calls = 0
+    while True:
+        row = conn.execute(
+            query("workqueue_body_gc"), {"after_id": cursor, "max_examined": 2}
+        ).fetchone()
+        assert row is not None
+        deleted += int(str(row[0]))
+        cursor = int(str(row[1]))
+        calls += 1
+        if cursor == 0:
+            break
+    assert deleted == 5
+    assert calls == 4  # 6 bodies, 2 per call, and one call to find the end
+    assert body_exists(conn, kept)
+    assert not any(body_exists(conn, b) for b in orphans)
+    row = conn.execute("SELECT deleted FROM pepsi.workqueue_body_gc()").fetchone()
+    assert row == (0,)
