@@ -135,7 +135,10 @@ def main(argv: Sequence[str] | None = None, *, command: str | None = None) -> in
     try:
         head, rest = split_globals(args_in)
         if command:
-            rest = [command, *rest]
+            # `pepsi-setup -h` is the help of `pepsi setup`, not of `pepsi`.
+            helps = [t for t in head if t in ("-h", "--help")]
+            head = [t for t in head if t not in ("-h", "--help")]
+            rest = [command, *rest, *helps]
         reject_trailing_globals(rest)
         parser = build_parser(prog)
         args = parser.parse_args([*head, *rest])
@@ -162,6 +165,6 @@ def _alias(command: str) -> Callable[[], int]:
 
 main_setup = _alias("setup")
 main_config = _alias("config")
-main_db = _alias("db")
+main_dispatch = _alias("dispatch")
 
-__all__ = ["EX_OK", "main", "main_config", "main_db", "main_setup"]
+__all__ = ["EX_OK", "main", "main_config", "main_dispatch", "main_setup"]

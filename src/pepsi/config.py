@@ -164,7 +164,10 @@ def read_file(path: Path) -> RawSections:
         ) from None
     except configparser.ParsingError as exc:
         lineno, line = exc.errors[0]
-        raise ConfigError(f"line {lineno}: cannot parse {line.strip()}", file=name) from None
+        text = line.strip().strip("'\"").removesuffix("\\n").strip()
+        raise ConfigError(
+            f"line {lineno}: cannot parse {text!r} (expected KEY = VALUE)", file=name
+        ) from None
     return {
         section: {key: RawValue(value, name) for key, value in parser.items(section)}
         for section in parser.sections()

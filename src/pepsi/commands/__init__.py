@@ -8,8 +8,22 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from pepsi.commands import config_cmd, db_cmd, setup_cmd
+from pepsi.commands import (
+    config_cmd,
+    db_cmd,
+    dispatch_cmd,
+    publish_cmd,
+    setup_cmd,
+    worker_cmd,
+)
 
 Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
-COMMANDS: tuple[Register, ...] = (setup_cmd.register, config_cmd.register, db_cmd.register)
+COMMANDS: tuple[Register, ...] = (
+    setup_cmd.register,
+    config_cmd.register,
+    db_cmd.register,
+    dispatch_cmd.register,
+    publish_cmd.register,
+    worker_cmd.register,
+)

@@ -37,8 +37,8 @@ def run_check(args: argparse.Namespace, ctx: Context) -> int:
     console = make_console()
     render_graph(config, console)
     for warning in config.warnings:
-        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
-    console.print(f"{config.path}: OK", highlight=False)
+        console.print(f"warning: {warning}", highlight=False, markup=False)
+    console.print(f"{config.path}: OK", highlight=False, markup=False)
     return EX_OK
 
 
@@ -53,6 +53,8 @@ def chains(config: Config) -> list[list[str]]:
             node = config.stages[node].next
         if node is not None:
             chain.append(f"{node} (cycle)")
+        else:
+            chain.append("done")
         result.append(chain)
     return result
 
@@ -70,8 +72,8 @@ def render_graph(config: Config, console: Console) -> None:
             format_duration(stage.max_runtime),
         )
     if not config.stages:
-        console.print("no stages configured ([stage-NAME] sections)")
+        console.print("no stages configured ([stage-NAME] sections)", markup=False)
         return
     console.print(table)
     for chain in chains(config):
-        console.print("  " + " → ".join(chain) + " → done", highlight=False)
+        console.print("  " + " → ".join(chain), highlight=False, markup=False)

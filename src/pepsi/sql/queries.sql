@@ -22,3 +22,119 @@ ORDER BY stage, status;
 
 -- name: workqueue_body_gc
 SELECT deleted, last_examined FROM pepsi.workqueue_body_gc(%(after_id)s, %(max_examined)s);
+
+-- name: workqueue_load_running
+-- A worker loads the rows it was handed; only rows still running at its
+-- stage (a repair command may have moved one meanwhile).
+SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
+       w.origin_user, host(w.origin_peer), w.header_from, w.subject, w.content_type,
+       w.correlation_id, w.properties, w.state, w.sender_key, w.body_id,
+       CASE WHEN %(with_header)s THEN b.header END AS header,
+       CASE WHEN %(with_body)s THEN b.body END AS body
+FROM pepsi.workqueue w
+LEFT JOIN pepsi.workqueue_body b ON %(with_header)s AND b.body_id = w.body_id
+WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.stage = %(stage)s;
+
+-- name: workqueue_body_get
+SELECT header, body FROM pepsi.workqueue_body WHERE body_id = %(body_id)s;
+
+-- name: workqueue_record_outcomes
+-- Every outcome of a batch in one round trip (W-2, W-8): finished rows are
+-- deleted, the others updated from a JSON array (advance = pending at the
+-- next stage, pause = paused with a timeout, fail = failed). The guard on
+-- status and stage makes a late write from a killed worker a no-op.
+WITH finished AS (
+    DELETE FROM pepsi.workqueue w
+    WHERE w.workqueue_id = ANY(%(finished)s::bigint[])
+      AND w.status = 'running' AND w.stage = %(stage)s
+    RETURNING 1
+)
+UPDATE pepsi.workqueue w
+SET stage = r.stage, status = r.status, timeout = r.timeout, state = r.state
+FROM jsonb_to_recordset(%(updates)s::jsonb)
+     AS r(workqueue_id bigint, stage text, status pepsi.workqueue_status,
+          timeout timestamptz, state jsonb)
+WHERE w.workqueue_id = r.workqueue_id AND w.status = 'running' AND w.stage = %(stage)s;
+
+-- name: workqueue_claim_fifo
+-- P-4: one statement claims, for every stage with free capacity, up to that
+-- stage's capacity of its oldest pending rows. Each lateral orders by
+-- (stage, workqueue_id) under an equality on stage, which is exactly the
+-- partial index, so the planner walks it and stops at the cap instead of
+-- scanning the primary key with a filter on a skewed backlog.
+UPDATE pepsi.workqueue w
+SET status = 'running'
+FROM (
+    SELECT c.workqueue_id
+    FROM unnest(%(stages)s::text[], %(caps)s::integer[]) AS s(stage, cap)
+    CROSS JOIN LATERAL (
+        SELECT q.workqueue_id
+        FROM pepsi.workqueue q
+        WHERE q.stage = s.stage AND q.status = 'pending'
+        ORDER BY q.stage, q.workqueue_id
+        LIMIT s.cap
+    ) c
+) picked
+WHERE w.workqueue_id = picked.workqueue_id AND w.status = 'pending'
+RETURNING w.workqueue_id, w.stage;
+
+-- name: workqueue_requeue_running
+-- Give claimed rows back (never ran, or their worker died): only rows still
+-- running at the stage they were claimed at.
+UPDATE pepsi.workqueue
+SET status = 'pending'
+WHERE workqueue_id = ANY(%(ids)s::bigint[]) AND status = 'running' AND stage = %(stage)s;
+
+-- name: workqueue_reset_running
+-- P-2: at start, rows left running by a previous dispatcher go back to pending.
+UPDATE pepsi.workqueue SET status = 'pending' WHERE status = 'running';
+
+-- name: workqueue_resume_due
+-- P-8: flip paused rows that are due, and tell when the next one falls due.
+WITH due AS (
+    UPDATE pepsi.workqueue
+    SET status = 'pending', timeout = NULL
+    WHERE status = 'paused' AND timeout <= now()
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM due) AS resumed,
+       (SELECT extract(epoch FROM min(timeout) - now()) FROM pepsi.workqueue
+        WHERE status = 'paused' AND timeout > now())::float8 AS next_due_in;
+
+-- name: dispatcher_lock_try
+-- P-1: the singleton lock, key 1885696115 ('peps'), held for the session.
+SELECT pg_try_advisory_lock(1885696115);
+
+-- name: dispatcher_lock_holder
+SELECT a.pid, a.client_addr::text, a.client_hostname, a.application_name
+FROM pg_locks l
+JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.database = (
+        SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid = 0 AND l.objid = 1885696115 AND l.objsubid = 1
+  AND l.pid <> pg_backend_pid()
+LIMIT 1;
+
+-- name: workqueue_publish
+-- Minimal publish: N copies, each with its own body row when there is a body.
+WITH bodies AS (
+    INSERT INTO pepsi.workqueue_body (header, body)
+    SELECT %(header)s, %(body)s
+    FROM generate_series(1, CASE WHEN %(has_body)s THEN %(count)s ELSE 0 END)
+    RETURNING body_id
+), slots AS (
+    SELECT n, (SELECT array_agg(body_id ORDER BY body_id) FROM bodies) AS ids
+    FROM generate_series(1, %(count)s) AS n
+)
+INSERT INTO pepsi.workqueue
+    (stage, message_id, sender, recipients, origin_user, origin_peer, header_from, subject,
+     content_type, correlation_id, properties, body_id)
+SELECT %(stage)s, %(message_id)s, %(sender)s, %(recipients)s, %(origin_user)s,
+       %(origin_peer)s::inet, %(header_from)s, %(subject)s, %(content_type)s,
+       %(correlation_id)s, %(properties)s, slots.ids[slots.n]
+FROM slots
+ORDER BY slots.n
+RETURNING workqueue_id;
+
+-- name: workqueue_notify
+NOTIFY workqueue;

@@ -1,0 +1,32 @@
+"""`pepsi dispatch serve` (alias `pepsi-dispatch serve`): run the dispatcher."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import TYPE_CHECKING
+
+from pepsi.db import connect
+from pepsi.dispatch.coordinator import Dispatcher
+
+if TYPE_CHECKING:
+    from pepsi.cli import Context
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("dispatch", help="run the dispatcher")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    serve = actions.add_parser(
+        "serve",
+        help="claim pending messages and run their stages until interrupted",
+        description="Run the dispatcher until SIGINT/SIGTERM. Exactly one runs per "
+        "database (a second one waits ~10s for the lock, then exits 1). Exit 0 on a "
+        "clean stop, 1 on an error, 78 if the database schema is not this build's.",
+    )
+    serve.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace, ctx: Context) -> int:
+    config = ctx.config()
+    target = connect.resolve(config)
+    return asyncio.run(Dispatcher(config, target.dsn).serve())

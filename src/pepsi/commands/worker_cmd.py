@@ -1,0 +1,36 @@
+"""`pepsi worker`: the unified worker program the dispatcher starts for HANDLER stages."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from pepsi.db import connect
+from pepsi.errors import ConfigError
+from pepsi.worker import runtime
+
+if TYPE_CHECKING:
+    from pepsi.cli import Context
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "worker",
+        help="run one stage's worker (started by the dispatcher)",
+        description="Run the Python stage named by $PEPSI_STAGE behind the worker "
+        "protocol: print `ready`, then read message ids on stdin and write one status "
+        "line per id. Exits 78 before `ready` if the configuration, the handler or the "
+        "database schema is not usable.",
+    )
+    parser.set_defaults(handler=run_worker)
+
+
+def run_worker(args: argparse.Namespace, ctx: Context) -> int:
+    stage = runtime.stage_from_env()
+    try:
+        config = ctx.config()
+    except runtime.WorkerRefused:
+        raise
+    except ConfigError as exc:  # a configuration that does not parse: refuse (W-7)
+        raise runtime.WorkerRefused(str(exc)) from None
+    return runtime.run(config, stage, connect.resolve(config).dsn)

@@ -1,0 +1,1 @@
+"""The dispatcher: one process that claims pending rows and feeds worker pools."""

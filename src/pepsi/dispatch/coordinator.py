@@ -1,0 +1,415 @@
+"""The dispatcher's loop: wake, drain events, claim once for every stage, feed pools.
+
+Wakeups (P-3): a NOTIFY on `workqueue` (payload ignored; a burst is one
+wakeup), a worker answering or dying, the POLL_INTERVAL heartbeat, the
+listener (re)connecting, the earliest paused row falling due. Each wakeup
+first applies what happened meanwhile (requeues, idle and recycled workers),
+then runs ONE claim statement for all stages with free capacity (P-4), and
+hands the claimed ids to the stages' pools (P-6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from pepsi.config import Config, StageConfig
+from pepsi.db import schema
+from pepsi.db.connect import one_line
+from pepsi.db.queries import query
+from pepsi.dispatch import pools
+from pepsi.dispatch.workers import Exit, WorkerProcess, resolve_program
+from pepsi.errors import EX_CONFIG, EX_OK, DatabaseUnavailable, PepsiError
+from pepsi.protocol import StatusLine
+
+log = logging.getLogger("pepsi.dispatch")
+
+LOCK_WAIT = 10.0  # seconds a second dispatcher waits for the singleton lock (P-1)
+COOLDOWN = 5.0  # seconds a stage rests after a worker died before ready (W-7)
+STOP_WAIT = 10.0  # seconds a worker asked to finish may take before it is killed
+RECONNECT_MAX = 30.0
+
+AConn = psycopg.AsyncConnection[tuple[Any, ...]]
+
+
+class AlreadyRunning(PepsiError):
+    """Another dispatcher holds the singleton lock."""
+
+
+@dataclass
+class StagePool:
+    config: StageConfig
+    workers: dict[int, WorkerProcess] = field(default_factory=dict)
+    cooldown_until: float = 0.0
+
+    def loads(self) -> list[pools.WorkerLoad]:
+        """Loads of the workers not already on their way out."""
+        return [self._load(w) for w in self.workers.values() if not w.stopping]
+
+    def all_loads(self) -> list[pools.WorkerLoad]:
+        """Loads of every live worker: a stopping one still counts toward PARALLELISM."""
+        return [self._load(w) for w in self.workers.values()]
+
+    def _load(self, worker: WorkerProcess) -> pools.WorkerLoad:
+        return worker.load(self.config.queue_limit, self.config.max_messages)
+
+    def free(self, now: float) -> int:
+        if now < self.cooldown_until:
+            return 0
+        limit = pools.worker_limit(self.config.parallelism)
+        return pools.free_capacity(self.all_loads(), limit, self.config.queue_limit)
+
+
+class Dispatcher:
+    def __init__(self, config: Config, dsn: str) -> None:
+        self.config = config
+        self.dsn = dsn
+        self.pools = {name: StagePool(stage) for name, stage in config.stages.items()}
+        self.wake = asyncio.Event()
+        self.stopping = False
+        self.requeues: dict[str, list[int]] = defaultdict(list)
+        self.exiting: set[WorkerProcess] = set()
+        self.conn: AConn | None = None
+        self.next_key = 0
+        self.next_due: float | None = None  # monotonic time the earliest paused row is due
+        self.next_poll = 0.0
+        self.claimed_total = 0
+        self.completed_total = 0
+
+    # ---- start and stop ---------------------------------------------------
+
+    async def serve(self) -> int:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, self.request_stop)
+        self.conn = await self._connect_locked(initial=True)
+        try:
+            await self._start_checks(self.conn)
+            listener = loop.create_task(self._listen())
+            try:
+                await self._run()
+            finally:
+                listener.cancel()
+                await self._shutdown()
+        finally:
+            if self.conn is not None:
+                await self.conn.close()
+        log.info(
+            "stopped: %d claimed, %d completed since start",
+            self.claimed_total,
+            self.completed_total,
+        )
+        return EX_OK
+
+    def request_stop(self) -> None:
+        if not self.stopping:
+            log.info("stopping: no more claims; stopping workers and requeueing their messages")
+        self.stopping = True
+        self.wake.set()
+
+    async def _connect_locked(self, *, initial: bool) -> AConn:
+        """Connect the claim connection and take the singleton lock on it (P-1)."""
+        try:
+            conn = await psycopg.AsyncConnection.connect(
+                self.dsn, autocommit=True, application_name="pepsi-dispatch"
+            )
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailable(f"cannot connect to the database: {one_line(exc)}") from None
+        deadline = time.monotonic() + LOCK_WAIT
+        announced = False
+        while True:
+            row = await (await conn.execute(query("dispatcher_lock_try"))).fetchone()
+            if row and row[0]:
+                return conn
+            if not announced and initial:
+                log.warning("another dispatcher holds the lock; waiting up to %ds", LOCK_WAIT)
+                announced = True
+            if time.monotonic() >= deadline:
+                holder = await (await conn.execute(query("dispatcher_lock_holder"))).fetchone()
+                await conn.close()
+                raise AlreadyRunning(_holder_text(holder))
+            await asyncio.sleep(0.5)
+
+    async def _start_checks(self, conn: AConn) -> None:
+        await asyncio.to_thread(_require_schema, self.dsn)
+        cur = await conn.execute(query("workqueue_reset_running"))
+        if cur.rowcount:
+            log.warning("reset %d leftover running rows to pending (P-2)", cur.rowcount)
+        log.info("dispatching %d stages: %s", len(self.pools), ", ".join(self.pools) or "(none)")
+
+    async def _shutdown(self) -> None:
+        workers = [w for pool in self.pools.values() for w in pool.workers.values()]
+        await asyncio.gather(*(w.terminate() for w in workers), return_exceptions=True)
+        await asyncio.gather(*(w.wait_closed() for w in workers), return_exceptions=True)
+        await self._flush_requeues(final=True)
+
+    # ---- the loop ------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not self.stopping:
+            try:
+                await self._cycle()
+            except psycopg.OperationalError as exc:
+                log.warning("database connection lost: %s", one_line(exc))
+                await self._reconnect()
+                continue
+            timeout = self._sleep_time()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), timeout)
+            self.wake.clear()
+
+    async def _cycle(self) -> None:
+        now = time.monotonic()
+        self._retire_idle(now)
+        await self._flush_requeues()
+        if now >= self.next_poll or (self.next_due is not None and now >= self.next_due):
+            await self._resume_due()
+            self.next_poll = now + self.config.dispatch.poll_interval
+        await self._claim()
+
+    def _sleep_time(self) -> float:
+        now = time.monotonic()
+        deadlines = [self.next_poll]
+        if self.next_due is not None:
+            deadlines.append(self.next_due)
+        idle_timeout = self.config.dispatch.worker_idle_timeout
+        for pool in self.pools.values():
+            due = pools.next_idle_deadline(pool.loads(), idle_timeout)
+            if due is not None:
+                deadlines.append(due)
+            if pool.cooldown_until > now:
+                deadlines.append(pool.cooldown_until)
+        return max(0.0, min(deadlines) - now)
+
+    async def _resume_due(self) -> None:
+        assert self.conn is not None
+        row = await (await self.conn.execute(query("workqueue_resume_due"))).fetchone()
+        assert row is not None
+        resumed, next_due_in = int(row[0]), row[1]
+        if resumed:
+            log.info("resumed %d paused rows", resumed)
+        self.next_due = None if next_due_in is None else time.monotonic() + float(next_due_in)
+
+    async def _claim(self) -> None:
+        assert self.conn is not None
+        now = time.monotonic()
+        caps = {name: pool.free(now) for name, pool in self.pools.items()}
+        caps = {name: cap for name, cap in caps.items() if cap > 0}
+        if not caps:
+            return
+        rows = await (
+            await self.conn.execute(
+                query("workqueue_claim_fifo"),
+                {"stages": list(caps), "caps": list(caps.values())},
+            )
+        ).fetchall()
+        if not rows:
+            return
+        self.claimed_total += len(rows)
+        by_stage: dict[str, list[int]] = defaultdict(list)
+        for wid, stage in sorted(rows):
+            by_stage[stage].append(int(wid))
+        for stage, ids in by_stage.items():
+            await self._feed(self.pools[stage], ids)
+
+    async def _feed(self, pool: StagePool, ids: list[int]) -> None:
+        stage = pool.config
+        plan = pools.assign(
+            ids, pool.all_loads(), pools.worker_limit(stage.parallelism), stage.queue_limit
+        )
+        for key, batch in plan.to_existing.items():
+            pool.workers[key].send(batch)
+        for batch in plan.to_new:
+            await self._start_worker(pool, batch)
+
+    async def _start_worker(self, pool: StagePool, ids: Sequence[int]) -> None:
+        stage = pool.config
+        self.next_key += 1
+        try:
+            argv = self._worker_argv(stage)
+        except FileNotFoundError as exc:
+            log.error("stage %s: cannot start its worker: %s", stage.name, exc)
+            self._cool_down(pool)
+            self.requeues[stage.name].extend(ids)
+            return
+        env = {**os.environ, "PEPSI_STAGE": stage.name, "PEPSI_DSN": self.dsn}
+        worker = WorkerProcess(
+            self.next_key,
+            stage.name,
+            argv,
+            env,
+            on_ready=self._on_ready,
+            on_status=self._on_status,
+            on_exit=self._on_exit,
+        )
+        try:
+            await worker.start(ids)
+        except OSError as exc:
+            log.error("stage %s: cannot start %s: %s", stage.name, argv[0], exc)
+            self._cool_down(pool)
+            self.requeues[stage.name].extend(ids)
+            return
+        pool.workers[worker.key] = worker
+        log.debug("stage %s: started worker pid %s", stage.name, worker.pid)
+
+    def _worker_argv(self, stage: StageConfig) -> list[str]:
+        config_file = self.config.dispatch.config_file
+        if stage.handler is not None:
+            # The unified program; it needs the configuration to find the handler.
+            path = config_file or self.config.path
+            conf = ["-c", str(path)] if path else []
+            return [sys.executable, "-m", "pepsi", *conf, "worker"]
+        assert stage.program is not None
+        conf = ["-c", str(config_file)] if config_file else []
+        return [resolve_program(stage.program), *conf, "worker"]
+
+    # ---- events from workers -------------------------------------------------
+
+    def _on_ready(self, worker: WorkerProcess) -> None:
+        log.debug("stage %s: worker pid %s ready", worker.stage, worker.pid)
+
+    def _on_status(self, worker: WorkerProcess, wid: int, status: StatusLine) -> None:
+        self.completed_total += 1
+        if status.report_error:
+            log.warning(
+                "stage %s: worker pid %s: %s", worker.stage, worker.pid, status.report_error
+            )
+        if not status.ok:
+            log.info("stage %s: message %d ended with status %d", worker.stage, wid, status.status)
+        self.wake.set()
+
+    def _on_exit(self, worker: WorkerProcess, exit_: Exit) -> None:
+        pool = self.pools[worker.stage]
+        pool.workers.pop(worker.key, None)
+        if exit_.unanswered:
+            self.requeues[worker.stage].extend(exit_.unanswered)
+        if exit_.expected:
+            log.debug("stage %s: worker pid %s stopped", worker.stage, worker.pid)
+        elif not exit_.was_ready:
+            cause = (
+                "refused to run (configuration or schema; see its error above)"
+                if exit_.returncode == EX_CONFIG
+                else exit_.reason
+            )
+            log.error(
+                "stage %s: worker pid %s died before ready: %s; %d messages requeued, "
+                "retrying in %ds",
+                worker.stage,
+                worker.pid,
+                cause,
+                len(exit_.unanswered),
+                COOLDOWN,
+            )
+            self._cool_down(pool)
+        else:
+            log.error(
+                "stage %s: worker pid %s %s with %d messages in flight; requeued",
+                worker.stage,
+                worker.pid,
+                exit_.reason,
+                len(exit_.unanswered),
+            )
+        self.wake.set()
+
+    def _cool_down(self, pool: StagePool) -> None:
+        pool.cooldown_until = time.monotonic() + COOLDOWN
+
+    def _retire_idle(self, now: float) -> None:
+        idle_timeout = self.config.dispatch.worker_idle_timeout
+        for pool in self.pools.values():
+            idle = set(pools.idle_to_stop(pool.loads(), now, idle_timeout))
+            for worker in list(pool.workers.values()):
+                # MAX_MESSAGES handled and pipeline drained: recycle (P-6).
+                drained_retiree = worker.handled >= pool.config.max_messages and not worker.inflight
+                if (worker.key in idle or drained_retiree) and not worker.stopping:
+                    worker.close_input()
+                    asyncio.get_running_loop().create_task(self._reap(worker))
+
+    async def _reap(self, worker: WorkerProcess) -> None:
+        """A worker asked to finish gets STOP_WAIT seconds, then is killed."""
+        try:
+            await asyncio.wait_for(worker.wait_closed(), STOP_WAIT)
+        except TimeoutError:
+            worker.kill("did not stop when asked")
+
+    async def _flush_requeues(self, *, final: bool = False) -> None:
+        if not self.requeues or self.conn is None:
+            return
+        pending = dict(self.requeues)
+        self.requeues.clear()
+        try:
+            for stage, ids in pending.items():
+                await self.conn.execute(
+                    query("workqueue_requeue_running"), {"ids": ids, "stage": stage}
+                )
+        except psycopg.OperationalError:
+            for stage, ids in pending.items():
+                self.requeues[stage].extend(ids)
+            if final:
+                log.error("could not requeue in-flight rows; the next start resets them")
+                return
+            raise
+
+    # ---- the listener and reconnection ----------------------------------------
+
+    async def _listen(self) -> None:
+        delay = 1.0
+        while True:
+            try:
+                conn = await psycopg.AsyncConnection.connect(
+                    self.dsn, autocommit=True, application_name="pepsi-dispatch-listen"
+                )
+                async with conn:
+                    await conn.execute("LISTEN workqueue")
+                    delay = 1.0
+                    self.wake.set()  # a (re)connection may have missed notifications
+                    async for _ in conn.notifies():
+                        self.wake.set()
+            except psycopg.OperationalError as exc:
+                log.warning("listener: %s; reconnecting in %.0fs", one_line(exc), delay)
+                await asyncio.sleep(delay)
+                delay = min(RECONNECT_MAX, delay * 2)
+
+    async def _reconnect(self) -> None:
+        delay = 1.0
+        if self.conn is not None:
+            await self.conn.close()
+            self.conn = None
+        while not self.stopping:
+            try:
+                self.conn = await self._connect_locked(initial=False)
+                log.info("database connection restored")
+                self.wake.set()
+                return
+            except DatabaseUnavailable as exc:
+                log.warning("%s; retrying in %.0fs", exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(RECONNECT_MAX, delay * 2)
+
+
+def _require_schema(dsn: str) -> None:
+    """The start-up schema check (P-13), on a short-lived sync connection."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        schema.require_current(conn)
+
+
+def _holder_text(row: tuple[Any, ...] | None) -> str:
+    if row is None:
+        return "another dispatcher is running on this database (lock held for 10s)"
+    pid, addr, host, app = row
+    where = host or addr or "local socket"
+    return (
+        f"another dispatcher is running on this database "
+        f"(backend pid {pid}, client {where}, {app or 'unknown program'})"
+    )

@@ -1,0 +1,86 @@
+"""Pool sizing and packing decisions (P-6). Pure: loads in, decisions out.
+
+A stage's pool grows on demand up to PARALLELISM workers, each holding up to
+QUEUE_LIMIT ids. Work is packed onto as few workers as possible (the busiest
+worker with room first), so surplus workers go idle and are stopped after
+WORKER_IDLE_TIMEOUT; under light load a stage settles on one worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    key: int
+    inflight: int  # ids written to it and not yet answered
+    room: int  # ids it may still take now (QUEUE_LIMIT and MAX_MESSAGES allowing)
+    idle_since: float | None = None  # monotonic time it last became empty
+
+
+def room_for(inflight: int, handled: int, queue_limit: int, max_messages: int) -> int:
+    """Ids a worker may take: its queue's free slots, within its MAX_MESSAGES budget."""
+    return max(0, min(queue_limit - inflight, max_messages - handled - inflight))
+
+
+@dataclass(frozen=True)
+class Assignment:
+    to_existing: dict[int, list[int]] = field(default_factory=dict)  # worker key -> ids
+    to_new: list[list[int]] = field(default_factory=list)  # one id list per new worker
+
+
+def worker_limit(parallelism: int, cap: int | None = None) -> int:
+    """How many workers a stage may run: PARALLELISM, or a temporary lower cap."""
+    return max(1, min(parallelism, cap)) if cap is not None else parallelism
+
+
+def free_capacity(workers: Sequence[WorkerLoad], limit: int, queue_limit: int) -> int:
+    """Ids the stage can take now: room in accepting workers plus workers it may start."""
+    room = sum(w.room for w in workers)
+    startable = max(0, limit - len(workers))
+    return room + startable * queue_limit
+
+
+def assign(
+    ids: Sequence[int], workers: Sequence[WorkerLoad], limit: int, queue_limit: int
+) -> Assignment:
+    """Pack `ids` onto the busiest workers with room first, then onto new workers.
+
+    Ids beyond the stage's free capacity are not assigned (the caller claimed
+    at most that many, so there are none).
+    """
+    result = Assignment()
+    pending = list(ids)
+    candidates = sorted((w for w in workers if w.room > 0), key=lambda w: (-w.inflight, w.key))
+    for worker in candidates:
+        if not pending:
+            break
+        take = worker.room
+        result.to_existing[worker.key], pending = pending[:take], pending[take:]
+    startable = max(0, limit - len(workers))
+    while pending and startable > 0:
+        result.to_new.append(pending[:queue_limit])
+        pending = pending[queue_limit:]
+        startable -= 1
+    if pending:
+        raise ValueError(f"{len(pending)} ids beyond the stage's free capacity")
+    return result
+
+
+def idle_to_stop(workers: Sequence[WorkerLoad], now: float, idle_timeout: float) -> list[int]:
+    """Workers empty for at least `idle_timeout`."""
+    return [
+        w.key
+        for w in workers
+        if w.inflight == 0 and w.idle_since is not None and now - w.idle_since >= idle_timeout
+    ]
+
+
+def next_idle_deadline(workers: Sequence[WorkerLoad], idle_timeout: float) -> float | None:
+    """When the next idle worker is due to stop, if any is idle."""
+    times = [
+        w.idle_since + idle_timeout for w in workers if w.inflight == 0 and w.idle_since is not None
+    ]
+    return min(times) if times else None

@@ -1,0 +1,202 @@
+"""One worker process as the dispatcher sees it: a thin asyncio shell.
+
+It writes ids to the child's stdin, reads `ready` and status lines from its
+stdout, and tells the coordinator what happened through three callbacks. The
+child's stderr is the dispatcher's, so a worker's log lines land in the same
+journal. Decisions (what to send, when to stop) belong to the coordinator and
+the pure pool module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pepsi.dispatch.pools import WorkerLoad, room_for
+from pepsi.protocol import ProtocolError, StatusLine, encode_ids, is_ready, parse_status
+
+log = logging.getLogger("pepsi.dispatch")
+
+KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when stopping a child
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How a worker ended, for the coordinator."""
+
+    returncode: int | None
+    was_ready: bool
+    expected: bool  # the dispatcher asked it to stop
+    reason: str
+    unanswered: tuple[int, ...]  # ids written to it without a status line
+
+
+class WorkerProcess:
+    """A running child `PROGRAM [-c FILE] worker` for one stage."""
+
+    def __init__(
+        self,
+        key: int,
+        stage: str,
+        argv: Sequence[str],
+        env: dict[str, str],
+        *,
+        on_ready: Callable[[WorkerProcess], None],
+        on_status: Callable[[WorkerProcess, int, StatusLine], None],
+        on_exit: Callable[[WorkerProcess, Exit], None],
+    ) -> None:
+        self.key = key
+        self.stage = stage
+        self.argv = list(argv)
+        self.env = env
+        self.inflight: deque[int] = deque()
+        self.ready = False
+        self.handled = 0
+        self.stopping = False
+        self.idle_since: float | None = time.monotonic()
+        self.head_since: float | None = None  # when the head id reached the head
+        self._on_ready = on_ready
+        self._on_status = on_status
+        self._on_exit = on_exit
+        self._proc: asyncio.subprocess.Process | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._failure: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def load(self, queue_limit: int, max_messages: int) -> WorkerLoad:
+        room = (
+            0
+            if self.stopping
+            else room_for(len(self.inflight), self.handled, queue_limit, max_messages)
+        )
+        return WorkerLoad(self.key, len(self.inflight), room, idle_since=self.idle_since)
+
+    async def start(self, ids: Sequence[int]) -> None:
+        """Spawn the child and hand it its first ids (buffered until it reads them)."""
+        self._proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=self.env,
+            start_new_session=True,  # a Ctrl-C to the dispatcher is not the children's
+        )
+        self.send(ids)
+        self._task = asyncio.get_running_loop().create_task(self._read())
+
+    def send(self, ids: Sequence[int]) -> None:
+        """Write ids to the child's stdin in one buffer."""
+        if not ids:
+            return
+        if not self.inflight:
+            self.head_since = time.monotonic()
+        self.inflight.extend(ids)
+        self.idle_since = None
+        assert self._proc is not None
+        assert self._proc.stdin is not None
+        if self._proc.stdin.is_closing():
+            return  # the reader will report the exit and these ids as unanswered
+        with contextlib.suppress(ConnectionError):
+            self._proc.stdin.write(encode_ids(ids))
+
+    def close_input(self) -> None:
+        """Ask the child to finish: it exits when its stdin closes."""
+        self.stopping = True
+        if self._proc and self._proc.stdin and not self._proc.stdin.is_closing():
+            self._proc.stdin.close()
+
+    def kill(self, reason: str) -> None:
+        """Tear the child down now (protocol error, hang, shutdown)."""
+        self._failure = self._failure or reason
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(signal.SIGKILL)
+
+    async def terminate(self) -> None:
+        """SIGTERM, then SIGKILL after a grace period; wait until it is gone."""
+        self.stopping = True
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), KILL_GRACE)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    async def wait_closed(self) -> None:
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    async def _read(self) -> None:
+        assert self._proc is not None
+        assert self._proc.stdout is not None
+        stdout = self._proc.stdout
+        try:
+            while True:
+                line = await stdout.readline()
+                if not line:
+                    break
+                if not self.ready:
+                    if is_ready(line):
+                        self.ready = True
+                        self._on_ready(self)
+                        continue
+                    raise ProtocolError(f"expected 'ready', got {line[:80]!r}")
+                self._status(line)
+        except ProtocolError as exc:
+            self.kill(str(exc))
+        except (ValueError, asyncio.LimitOverrunError):
+            self.kill("status line too long")
+        returncode = await self._proc.wait()
+        self._finish(returncode)
+
+    def _status(self, line: bytes) -> None:
+        status = parse_status(line)  # ProtocolError: unreadable, tear down
+        if not self.inflight:
+            raise ProtocolError(f"status line with no message outstanding: {line[:80]!r}")
+        wid = self.inflight.popleft()
+        self.handled += 1
+        now = time.monotonic()
+        self.head_since = now if self.inflight else None
+        if not self.inflight:
+            self.idle_since = now
+        self._on_status(self, wid, status)
+
+    def _finish(self, returncode: int) -> None:
+        if self._failure:
+            reason = self._failure
+        elif returncode < 0:
+            reason = f"killed by signal {-returncode}"
+        else:
+            reason = f"exited with status {returncode}"
+        unanswered = tuple(self.inflight)
+        self.inflight.clear()
+        self._on_exit(
+            self,
+            Exit(returncode, self.ready, self.stopping and not self._failure, reason, unanswered),
+        )
+
+
+def resolve_program(program: str) -> str:
+    """PROGRAM as given if absolute, else found on PATH (FileNotFoundError if not)."""
+    if os.path.isabs(program):  # noqa: PTH117  # a string is what exec wants
+        return program
+    import shutil  # noqa: PLC0415
+
+    found = shutil.which(program)
+    if found is None:
+        raise FileNotFoundError(f"{program}: not found on PATH")
+    return found

@@ -1,0 +1,95 @@
+"""The worker line protocol (W-1), both directions. Pure: bytes in, values out.
+
+    dispatcher -> worker (stdin):   one message id per line, "123\\n"
+    worker -> dispatcher (stdout):  "ready\\n" once, then one status line per id,
+                                    in input order: "0" or a non-zero integer,
+                                    optionally " " + a JSON report of the
+                                    stages run in that pass:
+                                    [["<stage>", <microseconds>], ...]
+
+Only an unreadable status is fatal (it desynchronises the positional
+protocol); an unreadable report is dropped with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+READY = b"ready"
+_STATUS = re.compile(rb"(-?\d{1,9})(?: (.*))?")
+
+
+class ProtocolError(Exception):
+    """A line the other side cannot have meant: the worker must be torn down."""
+
+
+@dataclass(frozen=True)
+class StatusLine:
+    status: int
+    report: tuple[tuple[str, int], ...] | None = None  # None: no (readable) report
+    report_error: str | None = None  # why a report present on the line was dropped
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 0
+
+
+def encode_ids(ids: Iterable[int]) -> bytes:
+    """Ids for a worker's stdin, written in one buffer."""
+    return b"".join(b"%d\n" % i for i in ids)
+
+
+def parse_id(line: bytes) -> int:
+    """A message id line read by a worker."""
+    text = line.strip()
+    if not text.isdigit():
+        raise ProtocolError(f"not a message id: {line[:40]!r}")
+    return int(text)
+
+
+def is_ready(line: bytes) -> bool:
+    return line.strip() == READY
+
+
+def parse_status(line: bytes) -> StatusLine:
+    """A status line read by the dispatcher; ProtocolError if the status is unreadable."""
+    match = _STATUS.fullmatch(line.rstrip(b"\r\n"))
+    if match is None:
+        raise ProtocolError(f"unreadable status line: {line[:80]!r}")
+    status = int(match.group(1))
+    raw_report = match.group(2)
+    if raw_report is None:
+        return StatusLine(status)
+    try:
+        return StatusLine(status, _parse_report(json.loads(raw_report)))
+    except (ValueError, TypeError) as exc:
+        return StatusLine(status, None, f"unreadable report {raw_report[:80]!r}: {exc}")
+
+
+def _parse_report(value: object) -> tuple[tuple[str, int], ...]:
+    if not isinstance(value, list):
+        raise TypeError("a report is a JSON list")
+    entries = []
+    for item in value:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or not isinstance(item[1], int)
+            or isinstance(item[1], bool)
+            or item[1] < 0
+        ):
+            raise TypeError(f"a report entry is [stage, microseconds], got {item!r}")
+        entries.append((item[0], item[1]))
+    return tuple(entries)
+
+
+def format_status(status: int, report: Sequence[tuple[str, int]] | None = None) -> bytes:
+    """A status line written by a worker."""
+    if report is None:
+        return b"%d\n" % status
+    body = json.dumps([[stage, micros] for stage, micros in report], separators=(",", ":"))
+    return b"%d %s\n" % (status, body.encode())

@@ -1,0 +1,149 @@
+"""The stage API: what a Python stage function receives and returns.
+
+    from pepsi import Message, PermanentError, stage
+
+    @stage()                      # metadata only: the batched, bodyless path
+    def route(msg: Message) -> None:
+        msg.state["routed"] = True  # state is written back with the outcome
+        # returning None advances to NEXT (or finishes at the last stage)
+
+    @stage(needs="body")
+    def parse(msg: Message) -> Outcome:
+        if not msg.body:
+            raise PermanentError("empty body")   # failed at once
+        return msg.advance("archive")            # or msg.finish(), msg.pause(60)
+
+Any other exception is a host failure: the message is paused and retried
+(1, 2, 4 … minutes, up to an hour) until the stage's MAX_LIFETIME.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from enum import Enum
+from typing import Any, TypeVar
+
+from pepsi.config import StageConfig
+from pepsi.errors import PepsiError
+
+
+class Needs(Enum):
+    """What a stage reads besides the row's metadata."""
+
+    METADATA = "metadata"  # envelope, extracted headers, state: batched (W-8)
+    HEADER = "header"  # plus the header block
+    BODY = "body"  # plus the header block and the body
+
+
+class PermanentError(PepsiError):
+    """Raised by a stage: this message can never succeed here; fail it now."""
+
+
+@dataclass(frozen=True)
+class Advance:
+    to: str | None = None  # None: the stage's NEXT (finish if it has none)
+
+
+@dataclass(frozen=True)
+class Finish:
+    pass
+
+
+@dataclass(frozen=True)
+class Pause:
+    until: datetime
+    reason: str | None = None
+
+
+Outcome = Advance | Finish | Pause
+
+F = TypeVar("F", bound=Callable[..., Any])
+STAGE_ATTRIBUTE = "__pepsi_needs__"
+
+
+def stage(needs: Needs | str = Needs.METADATA) -> Callable[[F], F]:
+    """Declare a function a Pepsi stage and what it needs loaded."""
+    wanted = Needs(needs)
+
+    def mark(func: F) -> F:
+        setattr(func, STAGE_ATTRIBUTE, wanted)
+        return func
+
+    return mark
+
+
+def needs_of(func: Callable[..., Any]) -> Needs:
+    """What a stage function declared; undecorated functions need metadata only."""
+    value = getattr(func, STAGE_ATTRIBUTE, Needs.METADATA)
+    return value if isinstance(value, Needs) else Needs.METADATA
+
+
+BodyLoader = Callable[[], tuple[bytes | None, bytes | None]]
+
+
+@dataclass
+class Message:
+    """One message at one stage, as its stage function sees it."""
+
+    id: int
+    stage: str
+    arrived: datetime
+    options: StageConfig
+    message_id: str | None = None
+    sender: str | None = None
+    recipients: tuple[str, ...] = ()
+    origin_user: str | None = None
+    origin_peer: str | None = None
+    header_from: str | None = None
+    subject: str | None = None
+    content_type: str | None = None
+    correlation_id: str | None = None
+    properties: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)  # written back with the outcome
+    sender_key: str = ""
+    _header: bytes | None = field(default=None, repr=False)
+    _body: bytes | None = field(default=None, repr=False)
+    _loader: BodyLoader | None = field(default=None, repr=False)
+
+    def _load(self) -> None:
+        if self._loader is not None:
+            self._header, self._body = self._loader()
+            self._loader = None
+
+    @property
+    def header(self) -> bytes | None:
+        """The header block (loaded on first access if the stage did not declare it)."""
+        self._load()
+        return self._header
+
+    @property
+    def body(self) -> bytes | None:
+        """The body (loaded on first access if the stage did not declare it)."""
+        self._load()
+        return self._body
+
+    @property
+    def redelivered(self) -> bool:
+        """Whether an earlier delivery of this message at some stage did not complete."""
+        return bool(self.state.get("strikes") or self.state.get("temporary_failures"))
+
+    def advance(self, to: str | None = None) -> Advance:
+        return Advance(to)
+
+    def finish(self) -> Finish:
+        return Finish()
+
+    def pause(
+        self,
+        delay: float | timedelta | None = None,
+        *,
+        until: datetime | None = None,
+        reason: str | None = None,
+    ) -> Pause:
+        """Pause for `delay` seconds (or until `until`), then run this stage again."""
+        if until is None:
+            seconds = delay.total_seconds() if isinstance(delay, timedelta) else (delay or 0.0)
+            until = datetime.now(UTC) + timedelta(seconds=seconds)
+        return Pause(until, reason)

@@ -1,0 +1,1 @@
+"""The worker side: `pepsi worker`, the unified program that runs Python stages."""

@@ -1,0 +1,313 @@
+"""`pepsi worker`: run one HANDLER stage behind the line protocol (W-1, W-2, W-8).
+
+Start: check the configuration and import the stage function (exit 78 if
+either is wrong), connect, check the schema (78 if not current), print
+`ready`. Then, until stdin closes: take a batch of ids (every id already
+buffered, up to QUEUE_LIMIT, for a metadata-only stage; one at a time for a
+stage that reads the header block or body), load them in one SELECT, run the
+stage on each, record every outcome in one statement, and write one status
+line per id, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from pepsi import policy
+from pepsi.config import Config, StageConfig
+from pepsi.db import schema
+from pepsi.db.queries import query
+from pepsi.errors import EX_CONFIG, ConfigError
+from pepsi.protocol import READY, format_status
+from pepsi.stage import Advance, Finish, Message, Needs, Pause, PermanentError, needs_of
+from pepsi.worker.reader import IdReader
+
+log = logging.getLogger("pepsi.worker")
+Conn = psycopg.Connection[tuple[Any, ...]]
+StageFunc = Callable[[Message], Any]
+STATUS_FAILED = 1
+
+
+class WorkerRefused(ConfigError):
+    """The worker cannot run this stage as configured: exit 78 before ready."""
+
+    exit_code = EX_CONFIG
+
+
+def load_handler(stage: StageConfig) -> StageFunc:
+    """Import `package.module:function`; WorkerRefused if it is not there."""
+    if stage.handler is None:
+        raise WorkerRefused(
+            "has no HANDLER: `pepsi worker` runs Python stages only",
+            section=f"stage-{stage.name}",
+        )
+    module_name, _, attr = stage.handler.partition(":")
+    where = {"section": f"stage-{stage.name}", "key": "HANDLER"}
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except ImportError as exc:
+        raise WorkerRefused(f"cannot import {module_name}: {exc}", **where) from None
+    except AttributeError:
+        raise WorkerRefused(f"{module_name} has no {attr}", **where) from None
+    if not callable(target):
+        raise WorkerRefused(f"{stage.handler} is not callable", **where)
+    func: StageFunc = target
+    return func
+
+
+@dataclass
+class Batch:
+    """Outcomes collected for one batch, written in one statement."""
+
+    finished: list[int] = field(default_factory=list)
+    updates: list[dict[str, Any]] = field(default_factory=list)
+    statuses: dict[int, bytes] = field(default_factory=dict)
+
+
+class StageRunner:
+    """Runs one stage's function over batches of ids on one connection."""
+
+    def __init__(self, config: Config, stage: StageConfig, func: StageFunc, conn: Conn) -> None:
+        self.config = config
+        self.stage = stage
+        self.func = func
+        self.needs = needs_of(func)
+        self.conn = conn
+        self.stage_log = logging.getLogger(f"pepsi.stage.{stage.name}")
+        self.loop: asyncio.AbstractEventLoop | None = None
+        if inspect.iscoroutinefunction(func):
+            self.loop = asyncio.new_event_loop()
+
+    @property
+    def batch_limit(self) -> int:
+        """Metadata-only stages take every buffered id (W-8); others one at a time."""
+        return self.stage.queue_limit if self.needs is Needs.METADATA else 1
+
+    def load(self, ids: list[int]) -> dict[int, Message]:
+        rows = self.conn.execute(
+            query("workqueue_load_running"),
+            {
+                "ids": ids,
+                "stage": self.stage.name,
+                "with_header": self.needs is not Needs.METADATA,
+                "with_body": self.needs is Needs.BODY,
+            },
+        ).fetchall()
+        return {int(row[0]): self._message(row) for row in rows}
+
+    def _message(self, row: tuple[Any, ...]) -> Message:
+        (wid, stage, arrived, message_id, sender, recipients, user, peer, header_from,
+         subject, content_type, correlation_id, properties, state, sender_key, body_id,
+         header, body) = row  # fmt: skip
+        msg = Message(
+            id=wid,
+            stage=stage,
+            arrived=arrived,
+            options=self.stage,
+            message_id=message_id,
+            sender=sender,
+            recipients=tuple(recipients or ()),
+            origin_user=user,
+            origin_peer=peer,
+            header_from=header_from,
+            subject=subject,
+            content_type=content_type,
+            correlation_id=correlation_id,
+            properties=dict(properties or {}),
+            state=dict(state or {}),
+            sender_key=sender_key,
+            _header=header,
+            _body=body,
+        )
+        if self.needs is not Needs.BODY and body_id is not None:
+            msg._loader = self._body_loader(body_id)
+        return msg
+
+    def _body_loader(self, body_id: int) -> Callable[[], tuple[bytes | None, bytes | None]]:
+        def load() -> tuple[bytes | None, bytes | None]:
+            row = self.conn.execute(query("workqueue_body_get"), {"body_id": body_id}).fetchone()
+            return (row[0], row[1]) if row else (None, None)
+
+        return load
+
+    def run_batch(self, ids: list[int]) -> bytes:
+        """Process `ids`; return their status lines, in order, as one buffer."""
+        started = time.perf_counter_ns()
+        messages = self.load(ids)
+        batch = Batch()
+        spent: dict[int, int] = {}
+        for wid in ids:
+            msg = messages.get(wid)
+            if msg is None:
+                # No longer running here (moved by a repair command): nothing to do.
+                batch.statuses[wid] = format_status(0)
+                continue
+            t0 = time.perf_counter_ns()
+            self._run_one(msg, batch)
+            spent[wid] = time.perf_counter_ns() - t0
+        if batch.finished or batch.updates:
+            self.conn.execute(
+                query("workqueue_record_outcomes"),
+                {
+                    "stage": self.stage.name,
+                    "finished": batch.finished,
+                    "updates": Jsonb(batch.updates),
+                },
+            )
+        # Database time is shared evenly by the batch's messages.
+        overhead = (time.perf_counter_ns() - started - sum(spent.values())) // max(1, len(ids))
+        lines = []
+        for wid in ids:
+            if wid in spent:
+                micros = (spent[wid] + overhead) // 1000
+                status = batch.statuses[wid]
+                lines.append(status.rstrip(b"\n") + b" " + _report(self.stage.name, micros))
+            else:
+                lines.append(batch.statuses[wid].rstrip(b"\n"))
+        return b"\n".join(lines) + b"\n"
+
+    def _call(self, msg: Message) -> Any:
+        result = self.func(msg)
+        if self.loop is not None and inspect.isawaitable(result):
+            return self.loop.run_until_complete(result)
+        return result
+
+    def _run_one(self, msg: Message, batch: Batch) -> None:
+        loaded_state = dict(msg.state)
+        try:
+            outcome = self._call(msg)
+            try:
+                json.dumps(msg.state)
+            except (TypeError, ValueError) as exc:
+                msg.state = loaded_state
+                raise TypeError(f"state is not JSON: {exc}") from None
+            self._record(msg, outcome, batch)
+        except PermanentError as exc:
+            decision = policy.on_permanent_error(msg.stage, msg.state, str(exc) or "permanent")
+            self.stage_log.error("message %d failed permanently: %s", msg.id, exc)
+            self._apply(msg, decision, batch)
+        except Exception as exc:  # noqa: BLE001  # any other error is a host failure (W-3)
+            self._host_failure(msg, f"{type(exc).__name__}: {exc}", batch)
+
+    def _record(self, msg: Message, outcome: Any, batch: Batch) -> None:
+        if outcome is None:
+            outcome = Advance()
+        match outcome:
+            case Advance(to=to):
+                target = to or self.stage.next
+                if target is None:
+                    batch.finished.append(msg.id)
+                elif target not in self.config.stages:
+                    self._host_failure(msg, f"advance to unknown stage {target!r}", batch)
+                    return
+                else:
+                    batch.updates.append(_update(msg.id, target, "pending", msg.state))
+            case Finish():
+                batch.finished.append(msg.id)
+            case Pause(until=until, reason=reason):
+                state = {**msg.state, "pause_reason": reason} if reason else msg.state
+                batch.updates.append(_update(msg.id, msg.stage, "paused", state, until))
+            case _:
+                self._host_failure(msg, f"stage returned {outcome!r}, not an outcome", batch)
+                return
+        batch.statuses[msg.id] = format_status(0)
+
+    def _host_failure(self, msg: Message, error: str, batch: Batch) -> None:
+        decision = policy.on_host_failure(
+            msg.stage,
+            msg.state,
+            error,
+            arrived=msg.arrived,
+            now=datetime.now(UTC),
+            max_lifetime=self.stage.max_lifetime,
+            bounce_stage=self.stage.bounce_stage,
+        )
+        if decision.status == "paused":
+            self.stage_log.warning(
+                "message %d: %s; retry %d at %s",
+                msg.id,
+                error,
+                decision.state["temporary_failures"],
+                decision.timeout,
+            )
+        else:
+            self.stage_log.error("message %d: %s; giving up after retries", msg.id, error)
+        self._apply(msg, decision, batch)
+
+    def _apply(self, msg: Message, decision: policy.Decision, batch: Batch) -> None:
+        batch.updates.append(
+            _update(msg.id, decision.stage, decision.status, decision.state, decision.timeout)
+        )
+        failed = decision.status == "failed"
+        batch.statuses[msg.id] = format_status(STATUS_FAILED if failed else 0)
+
+
+def _update(
+    wid: int, stage: str, status: str, state: dict[str, Any], timeout: datetime | None = None
+) -> dict[str, Any]:
+    return {
+        "workqueue_id": wid,
+        "stage": stage,
+        "status": status,
+        "timeout": timeout.isoformat() if timeout else None,
+        "state": state,
+    }
+
+
+def _report(stage: str, micros: int) -> bytes:
+    return b'[["%s",%d]]' % (stage.encode(), micros)
+
+
+def run(config: Config, stage_name: str, dsn: str) -> int:
+    """The worker's main loop; returns the exit status."""
+    stage = config.stages.get(stage_name)
+    if stage is None:
+        raise WorkerRefused(f"no [stage-{stage_name}] in the configuration", file=_file(config))
+    if config.path is not None:
+        sys.path.insert(0, str(config.path.parent))
+    func = load_handler(stage)
+    from pepsi.db.connect import connect  # noqa: PLC0415
+
+    conn = connect(dsn, application_name=f"pepsi-worker:{stage_name}")
+    with conn:
+        schema.require_current(conn)
+        if not config.postgres.worker_synchronous_commit:
+            conn.execute("SET synchronous_commit = off")
+        runner = StageRunner(config, stage, func, conn)
+        out = sys.stdout.buffer
+        out.write(READY + b"\n")
+        out.flush()
+        reader = IdReader(sys.stdin.fileno())
+        while True:
+            ids = reader.read_batch(runner.batch_limit)
+            if not ids:
+                return 0
+            out.write(runner.run_batch(ids))
+            out.flush()
+
+
+def _file(config: Config) -> str | None:
+    return str(config.path) if config.path else None
+
+
+def stage_from_env() -> str:
+    name = os.environ.get("PEPSI_STAGE")
+    if not name:
+        raise WorkerRefused("PEPSI_STAGE is not set (the dispatcher sets it for its workers)")
+    return name

@@ -1,0 +1,59 @@
+"""Stage functions the tests run inside real worker processes.
+
+Side effects go to the table `test_effects` (created by the tests) so a test
+can count how many times each stage ran for each message.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from pepsi import Message, PermanentError, stage
+
+
+def _effect(msg: Message) -> None:
+    import psycopg
+
+    with psycopg.connect(os.environ["PEPSI_DSN"], autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO test_effects (workqueue_id, stage, pid) VALUES (%s, %s, %s)",
+            (msg.id, msg.stage, os.getpid()),
+        )
+
+
+@stage()
+def noop(msg: Message) -> None:
+    """Metadata only: advances to NEXT (or finishes)."""
+
+
+@stage()
+def count(msg: Message) -> None:
+    """Metadata only, counts its passes in state."""
+    msg.state["passes"] = msg.state.get("passes", 0) + 1
+    msg.state.setdefault("stages", []).append(msg.stage)
+
+
+@stage(needs="body")
+def reverse_body_len(msg: Message) -> None:
+    msg.state["body_length"] = len(msg.body or b"")
+
+
+@stage()
+def effect(msg: Message) -> None:
+    _effect(msg)
+
+
+@stage()
+def slow(msg: Message) -> None:
+    time.sleep(float(msg.properties.get("sleep", 0.05)))
+
+
+@stage()
+def permanent(msg: Message) -> None:
+    raise PermanentError("cannot parse this")
+
+
+@stage()
+def flaky(msg: Message) -> None:
+    raise RuntimeError("service unavailable")
