@@ -8,18 +8,24 @@ from __future__ import annotations
 
 import os
 import time
+from functools import cache
+from typing import Any
+
+import psycopg
 
 from pepsi import Message, PermanentError, stage
 
 
-def _effect(msg: Message) -> None:
-    import psycopg
+@cache
+def _effects_connection() -> psycopg.Connection[Any]:
+    return psycopg.connect(os.environ["PEPSI_DSN"], autocommit=True)
 
-    with psycopg.connect(os.environ["PEPSI_DSN"], autocommit=True) as conn:
-        conn.execute(
-            "INSERT INTO test_effects (workqueue_id, stage, pid) VALUES (%s, %s, %s)",
-            (msg.id, msg.stage, os.getpid()),
-        )
+
+def _effect(msg: Message) -> None:
+    _effects_connection().execute(
+        "INSERT INTO test_effects (workqueue_id, stage, pid) VALUES (%s, %s, %s)",
+        (msg.id, msg.stage, os.getpid()),
+    )
 
 
 @stage()
@@ -57,3 +63,8 @@ def permanent(msg: Message) -> None:
 @stage()
 def flaky(msg: Message) -> None:
     raise RuntimeError("service unavailable")
+
+
+@stage()
+def park(msg: Message) -> object:
+    return msg.pause(3600, reason="parked by test")

@@ -243,7 +243,12 @@ class Dispatcher:
             self._cool_down(pool)
             self.requeues[stage.name].extend(ids)
             return
-        env = {**os.environ, "PEPSI_STAGE": stage.name, "PEPSI_DSN": self.dsn}
+        env = {
+            **os.environ,
+            "PEPSI_STAGE": stage.name,
+            "PEPSI_DSN": self.dsn,
+            "PEPSI_NEXT": stage.next or "",
+        }
         worker = WorkerProcess(
             self.next_key,
             stage.name,

@@ -61,21 +61,23 @@ WHERE w.workqueue_id = r.workqueue_id AND w.status = 'running' AND w.stage = %(s
 -- stage's capacity of its oldest pending rows. Each lateral orders by
 -- (stage, workqueue_id) under an equality on stage, which is exactly the
 -- partial index, so the planner walks it and stops at the cap instead of
--- scanning the primary key with a filter on a skewed backlog.
+-- scanning the primary key with a filter on a skewed backlog. The picked ids
+-- are folded into an array so the update finds its rows by primary key
+-- rather than joining the whole table.
 UPDATE pepsi.workqueue w
 SET status = 'running'
-FROM (
-    SELECT c.workqueue_id
-    FROM unnest(%(stages)s::text[], %(caps)s::integer[]) AS s(stage, cap)
-    CROSS JOIN LATERAL (
-        SELECT q.workqueue_id
-        FROM pepsi.workqueue q
-        WHERE q.stage = s.stage AND q.status = 'pending'
-        ORDER BY q.stage, q.workqueue_id
-        LIMIT s.cap
-    ) c
-) picked
-WHERE w.workqueue_id = picked.workqueue_id AND w.status = 'pending'
+WHERE w.workqueue_id = ANY (ARRAY(
+        SELECT c.workqueue_id
+        FROM unnest(%(stages)s::text[], %(caps)s::integer[]) AS s(stage, cap)
+        CROSS JOIN LATERAL (
+            SELECT q.workqueue_id
+            FROM pepsi.workqueue q
+            WHERE q.stage = s.stage AND q.status = 'pending'
+            ORDER BY q.stage, q.workqueue_id
+            LIMIT s.cap
+        ) c
+      ))
+  AND w.status = 'pending'
 RETURNING w.workqueue_id, w.stage;
 
 -- name: workqueue_requeue_running

@@ -1,0 +1,109 @@
+"""W-8: a metadata-only stage handles a buffer of ids in about two round trips.
+
+Round trips are counted as transactions the worker's backend commits
+(pg_stat_database.xact_commit; every autocommit statement is one), read from
+another database once the worker has exited and its statistics are flushed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import conninfo
+
+from pepsi.protocol import encode_ids, parse_status
+from tests.scenarios.conftest import REPO, wait_until
+
+CONF = """
+[stage-meta]
+HANDLER = tests.stages:count
+QUEUE_LIMIT = 8
+NEXT = body
+[stage-body]
+HANDLER = tests.stages:reverse_body_len
+QUEUE_LIMIT = 8
+"""
+
+
+def commits(admin: psycopg.Connection[tuple[object, ...]], dbname: str) -> int:
+    def settled() -> int | None:
+        admin.execute("SELECT pg_stat_clear_snapshot()")
+        row = admin.execute(
+            "SELECT numbackends, xact_commit FROM pg_stat_database WHERE datname = %s",
+            (dbname,),
+        ).fetchone()
+        assert row is not None
+        return None if int(str(row[0])) else int(str(row[1])) + 1
+
+    return int(wait_until(settled, what="the database to have no backends")) - 1
+
+
+def run_worker(dsn: str, conf: Path, stage: str, ids: list[int]) -> list[bytes]:
+    with subprocess.Popen(
+        [sys.executable, "-m", "pepsi", "-c", str(conf), "worker"],
+        env={**os.environ, "PEPSI_STAGE": stage, "PEPSI_DSN": dsn},
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    ) as proc:
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"ready\n"
+        proc.stdin.write(encode_ids(ids))  # one buffer, as the dispatcher writes it
+        proc.stdin.flush()
+        lines = [proc.stdout.readline() for _ in ids]
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+    return lines
+
+
+@pytest.fixture
+def rows(dsn: str) -> list[int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return [
+            int(str(r[0]))
+            for r in conn.execute(
+                "WITH b AS (INSERT INTO pepsi.workqueue_body (body)"
+                " SELECT 'hello' FROM generate_series(1, 8) RETURNING body_id)"
+                " INSERT INTO pepsi.workqueue (stage, status, body_id)"
+                " SELECT 'meta', 'running', body_id FROM b ORDER BY body_id"
+                " RETURNING workqueue_id"
+            ).fetchall()
+        ]
+
+
+def test_bodyless_stage_batches_round_trips(
+    dsn: str, admin_dsn: str, rows: list[int], tmp_path: Path
+) -> None:
+    conf = tmp_path / "pepsi.conf"
+    conf.write_text(CONF)
+    dbname = str(conninfo.conninfo_to_dict(dsn)["dbname"])
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        before = commits(admin, dbname)
+        run_worker(dsn, conf, "meta", [])
+        startup = commits(admin, dbname) - before
+
+        before = commits(admin, dbname)
+        lines = run_worker(dsn, conf, "meta", rows)
+        batched = commits(admin, dbname) - before - startup
+
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("UPDATE pepsi.workqueue SET status = 'running'")
+        before = commits(admin, dbname)
+        body_lines = run_worker(dsn, conf, "body", rows)
+        one_by_one = commits(admin, dbname) - before - startup
+
+    assert [parse_status(line).status for line in lines] == [0] * 8
+    assert all(parse_status(line).report for line in lines)  # timing reports ride along
+    assert batched == 2  # one SELECT for the 8 rows, one statement for their outcomes
+    assert [parse_status(line).status for line in body_lines] == [0] * 8
+    # a stage that reads bodies takes them one at a time: 2 per message, plus one
+    # PREPARE per statement once psycopg starts preparing them (5th execution)
+    assert 16 <= one_by_one <= 18
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM pepsi.workqueue").fetchone() == (0,)

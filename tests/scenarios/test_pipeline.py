@@ -1,0 +1,192 @@
+"""The pipeline end to end: real dispatcher, real worker processes (issue 3)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.scenarios.conftest import REPO, Pipeline, wait_until
+
+THREE_STAGES = """
+[stage-a]
+HANDLER = tests.stages:effect
+NEXT = b
+PARALLELISM = 3
+QUEUE_LIMIT = 4
+[stage-b]
+HANDLER = tests.stages:effect
+NEXT = c
+PARALLELISM = 2
+QUEUE_LIMIT = 8
+[stage-c]
+HANDLER = tests.stages:effect
+PARALLELISM = 3
+QUEUE_LIMIT = 2
+"""
+
+
+def effects_per_message(pipeline: Pipeline) -> dict[tuple[int, str], int]:
+    rows = pipeline.db.execute(
+        "SELECT workqueue_id, stage, count(*) FROM test_effects GROUP BY 1, 2"
+    ).fetchall()
+    return {(int(w), str(s)): int(n) for w, s, n in rows}
+
+
+def test_three_stages_every_message_exactly_once(pipeline: Pipeline) -> None:
+    pipeline.configure(THREE_STAGES)
+    ids = pipeline.publish("a", count=1200, sender="shop@example.org", recipients=["x@y.z"])
+    dispatcher = pipeline.start()
+    wait_until(lambda: pipeline.remaining() == 0, timeout=120, what="the queue to drain")
+    assert dispatcher.stop() == 0
+    effects = effects_per_message(pipeline)
+    expected = {(i, s): 1 for i in ids for s in ("a", "b", "c")}
+    assert effects == expected
+    assert "stopped: 3600 claimed, 3600 completed" in dispatcher.log
+
+
+def test_state_travels_and_bodies_are_read(pipeline: Pipeline) -> None:
+    pipeline.configure(
+        "[stage-count]\nHANDLER = tests.stages:count\nNEXT = body\n"
+        "[stage-body]\nHANDLER = tests.stages:reverse_body_len\nNEXT = park\n"
+        "[stage-park]\nHANDLER = tests.stages:park\n"
+    )
+    (wid,) = pipeline.publish("count", body=b"hello world")
+    pipeline.start()
+    wait_until(
+        lambda: pipeline.scalar("SELECT status::text FROM pepsi.workqueue") == "paused",
+        what="the message to park",
+    )
+    state = pipeline.scalar("SELECT state FROM pepsi.workqueue WHERE workqueue_id = %s", wid)
+    assert state["passes"] == 1
+    assert state["stages"] == ["count"]
+    assert state["body_length"] == 11
+    assert state["pause_reason"] == "parked by test"
+
+
+def test_external_program_stage(pipeline: Pipeline, tmp_path: Path) -> None:
+    program = tmp_path / "example-worker"
+    program.write_text(
+        f'#!/bin/sh\nexec {sys.executable} {REPO / "examples" / "protocol_worker.py"} "$@"\n'
+    )
+    program.chmod(0o755)
+    pipeline.configure(
+        "[stage-first]\nHANDLER = tests.stages:noop\nNEXT = external\n"
+        f"[stage-external]\nPROGRAM = {program}\nNEXT = last\nQUEUE_LIMIT = 8\n"
+        "[stage-last]\nHANDLER = tests.stages:effect\n"
+    )
+    ids = pipeline.publish("first", count=300)
+    dispatcher = pipeline.start()
+    wait_until(lambda: pipeline.remaining() == 0, timeout=60, what="the queue to drain")
+    assert dispatcher.stop() == 0
+    assert effects_per_message(pipeline) == {(i, "last"): 1 for i in ids}
+
+
+def test_second_dispatcher_is_refused(pipeline: Pipeline) -> None:
+    pipeline.configure("[stage-a]\nHANDLER = tests.stages:noop\n")
+    first = pipeline.start()
+    started = time.monotonic()
+    second = subprocess.run(
+        [sys.executable, "-m", "pepsi", "-c", str(pipeline.conf), "dispatch", "serve"],
+        env=pipeline.env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    waited = time.monotonic() - started
+    assert second.returncode == 1
+    assert "another dispatcher is running on this database (backend pid" in second.stderr
+    assert "pepsi-dispatch" in second.stderr
+    assert waited >= 9
+    assert first.proc.poll() is None  # the first one is untouched
+    assert first.stop() == 0
+
+
+def test_leftover_running_rows_are_reset_at_start(pipeline: Pipeline) -> None:
+    pipeline.configure("[stage-a]\nHANDLER = tests.stages:effect\n")
+    ids = pipeline.publish("a", count=20)
+    pipeline.db.execute("UPDATE pepsi.workqueue SET status = 'running'")
+    dispatcher = pipeline.start()
+    wait_until(lambda: pipeline.remaining() == 0, what="the reset rows to finish")
+    assert "reset 20 leftover running rows to pending" in dispatcher.log
+    assert effects_per_message(pipeline) == {(i, "a"): 1 for i in ids}
+    assert dispatcher.stop() == 0
+
+
+def test_sigterm_mid_run_requeues_and_a_restart_finishes(pipeline: Pipeline) -> None:
+    pipeline.configure(
+        "[stage-slow]\nHANDLER = tests.stages:slow\nNEXT = done\nPARALLELISM = 2\n"
+        "[stage-done]\nHANDLER = tests.stages:effect\n"
+    )
+    ids = pipeline.publish("slow", count=200, properties={"sleep": 0.02})
+    dispatcher = pipeline.start()
+    wait_until(lambda: pipeline.scalar("SELECT count(*) FROM test_effects") >= 20, what="progress")
+    assert dispatcher.stop(signal.SIGTERM) == 0
+    assert pipeline.by_status().get("running", 0) == 0
+    assert pipeline.workers() == 0
+    assert pipeline.remaining() > 0
+    again = pipeline.start()
+    wait_until(lambda: pipeline.remaining() == 0, timeout=60, what="the rest to finish")
+    assert again.stop(signal.SIGINT) == 0
+    effects = effects_per_message(pipeline)
+    assert set(effects) == {(i, "done") for i in ids}  # every message finished
+
+
+def test_pools_grow_on_demand_and_shrink_to_zero(pipeline: Pipeline) -> None:
+    pipeline.configure(
+        "[pepsi-dispatch]\nPOLL_INTERVAL = 1s\nWORKER_IDLE_TIMEOUT = 300ms\n"
+        "[stage-a]\nHANDLER = tests.stages:slow\nPARALLELISM = 3\nQUEUE_LIMIT = 2\n"
+        "[stage-idle]\nHANDLER = tests.stages:noop\n"
+    )
+    dispatcher = pipeline.start()
+    assert pipeline.workers() == 0  # an idle pipeline starts no worker at all
+    pipeline.publish("a", count=60, properties={"sleep": 0.05})
+    wait_until(lambda: pipeline.workers("a") == 3, what="the pool to grow to PARALLELISM")
+    assert pipeline.workers("idle") == 0
+    wait_until(lambda: pipeline.remaining() == 0, what="the queue to drain")
+    wait_until(lambda: pipeline.workers() == 0, timeout=10, what="the pool to shrink to zero")
+    assert dispatcher.stop() == 0
+
+
+def test_workers_are_recycled_after_max_messages(pipeline: Pipeline) -> None:
+    pipeline.configure(
+        "[stage-a]\nHANDLER = tests.stages:effect\nPARALLELISM = 2\nQUEUE_LIMIT = 4\n"
+        "MAX_MESSAGES = 10\n"
+    )
+    ids = pipeline.publish("a", count=100)
+    dispatcher = pipeline.start()
+    wait_until(lambda: pipeline.remaining() == 0, timeout=60, what="the queue to drain")
+    assert dispatcher.stop() == 0
+    per_pid = pipeline.db.execute("SELECT pid, count(*) FROM test_effects GROUP BY pid").fetchall()
+    assert max(int(n) for _, n in per_pid) <= 10
+    assert len(per_pid) >= 10
+    assert effects_per_message(pipeline) == {(i, "a"): 1 for i in ids}
+
+
+def test_worker_refusing_to_start_loses_nothing(pipeline: Pipeline) -> None:
+    pipeline.configure("[stage-a]\nHANDLER = tests.stages:does_not_exist\n")
+    ids = pipeline.publish("a", count=5)
+    dispatcher = pipeline.start()
+    wait_until(lambda: "refused to run" in dispatcher.log, what="the worker to refuse")
+    assert "tests.stages has no does_not_exist" in dispatcher.log
+    assert dispatcher.stop() == 0
+    assert pipeline.by_status() == {"pending": len(ids)}
+
+
+def test_unreadable_status_tears_the_worker_down(pipeline: Pipeline, tmp_path: Path) -> None:
+    program = tmp_path / "garbling-worker"
+    marker = tmp_path / "garbled-once"
+    script = REPO / "tests" / "programs" / "garbling_worker.py"
+    program.write_text(f"#!/bin/sh\nexec {sys.executable} {script} {marker}\n")
+    program.chmod(0o755)
+    pipeline.configure(f"[stage-x]\nPROGRAM = {program}\nQUEUE_LIMIT = 4\nPARALLELISM = 1\n")
+    pipeline.publish("x", count=12)
+    dispatcher = pipeline.start()
+    wait_until(lambda: pipeline.remaining() == 0, timeout=30, what="the queue to drain")
+    assert marker.exists()
+    assert "unreadable status line" in dispatcher.log
+    assert dispatcher.stop() == 0

@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pepsi.protocol import (
+    ProtocolError,
+    encode_ids,
+    format_status,
+    is_ready,
+    parse_id,
+    parse_status,
+)
+
+
+def test_ids_are_one_buffer_of_lines() -> None:
+    assert encode_ids([1, 22, 333]) == b"1\n22\n333\n"
+    assert [parse_id(line) for line in encode_ids([5, 6]).splitlines()] == [5, 6]
+
+
+@pytest.mark.parametrize("line", [b"", b"x\n", b"-1\n", b"1 2\n", b"1.5\n"])
+def test_bad_ids(line: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        parse_id(line)
+
+
+def test_ready() -> None:
+    assert is_ready(b"ready\n")
+    assert is_ready(b"ready\r\n")
+    assert not is_ready(b"0\n")
+
+
+def test_status_without_report() -> None:
+    line = parse_status(b"0\n")
+    assert line.ok
+    assert line.report is None
+    assert line.report_error is None
+    assert parse_status(b"75\n").status == 75
+
+
+def test_status_with_report() -> None:
+    line = parse_status(b'0 [["a",120],["b",30]]\n')
+    assert line.report == (("a", 120), ("b", 30))
+
+
+@pytest.mark.parametrize(
+    "report",
+    [
+        b"{not json",
+        b'{"a":1}',
+        b'[["a"]]',
+        b'[["a",-1]]',
+        b'[["a",1.5]]',
+        b"[[1,2]]",
+        b'[["a",true]]',
+    ],
+)
+def test_unreadable_report_is_dropped_not_fatal(report: bytes) -> None:
+    line = parse_status(b"0 " + report + b"\n")
+    assert line.ok
+    assert line.report is None
+    assert line.report_error is not None
+
+
+@pytest.mark.parametrize("line", [b"\n", b"ok\n", b"0x1\n", b" 0\n", b"99999999999\n"])
+def test_unreadable_status_is_fatal(line: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        parse_status(line)
+
+
+@given(
+    st.integers(min_value=-(10**8), max_value=10**8),
+    st.none()
+    | st.lists(
+        st.tuples(
+            st.text(alphabet="abcdefghijklmnopqrstuvwxyz-_0123456789", min_size=1, max_size=20),
+            st.integers(min_value=0, max_value=10**12),
+        ),
+        max_size=5,
+    ),
+)
+def test_status_round_trips(status: int, report: list[tuple[str, int]] | None) -> None:
+    line = parse_status(format_status(status, report))
+    assert line.status == status
+    assert line.report == (None if report is None else tuple(report))
