@@ -43,18 +43,14 @@ def ensure_venv() -> None:
 
 
 def cmd_run(args: list[str]) -> int:
-    pepsi = BIN / "pepsi"
-    for step in (["setup", "schema"], ["db", "status"]):
-        rc = _run(pepsi, *step)
-        if rc != 0:
-            return rc
-    return 0
+    """The demo pipeline end to end on the embedded database (examples/orders)."""
+    return _run(BIN / "python", ROOT / "examples" / "orders" / "run.py", *args)
 
 
 def cmd_test(args: list[str]) -> int:
     checks: list[list[str | Path]] = [
-        [BIN / "ruff", "check", "src", "tests", "scripts"],
-        [BIN / "ruff", "format", "--check", "src", "tests", "scripts"],
+        [BIN / "ruff", "check", "src", "tests", "scripts", "examples", "bench"],
+        [BIN / "ruff", "format", "--check", "src", "tests", "scripts", "examples", "bench"],
         [BIN / "mypy"],
         [BIN / "pytest", *args],
     ]

@@ -68,3 +68,19 @@ def flaky(msg: Message) -> None:
 @stage()
 def park(msg: Message) -> object:
     return msg.pause(3600, reason="parked by test")
+
+
+@stage()
+def bad_state_then_fail(msg: Message) -> None:
+    msg.state["oops"] = object()  # not JSON
+    raise PermanentError("and then it fails")
+
+
+@stage()
+def bad_state(msg: Message) -> None:
+    msg.state["oops"] = {1, 2}  # not JSON
+
+
+@stage(needs="header")
+def header_only(msg: Message) -> None:
+    msg.state["header"] = (msg.header or b"").decode()

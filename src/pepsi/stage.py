@@ -109,13 +109,16 @@ class Message:
 
     def _load(self) -> None:
         if self._loader is not None:
-            self._header, self._body = self._loader()
+            header, self._body = self._loader()
+            if header is not None:
+                self._header = header
             self._loader = None
 
     @property
     def header(self) -> bytes | None:
         """The header block (loaded on first access if the stage did not declare it)."""
-        self._load()
+        if self._header is None:
+            self._load()
         return self._header
 
     @property

@@ -20,3 +20,11 @@ def table(title: str, *columns: str) -> Table:
     for column in columns:
         result.add_column(column, no_wrap=True)
     return result
+
+
+def grid() -> Table:
+    """Two columns of facts: a bold label and its value."""
+    result = Table.grid(padding=(0, 2))
+    result.add_column(style="bold")
+    result.add_column()
+    return result

@@ -27,6 +27,10 @@ NEXT = body
 [stage-body]
 HANDLER = tests.stages:reverse_body_len
 QUEUE_LIMIT = 8
+NEXT = hdr
+[stage-hdr]
+HANDLER = tests.stages:header_only
+QUEUE_LIMIT = 8
 """
 
 
@@ -98,6 +102,13 @@ def test_bodyless_stage_batches_round_trips(
         body_lines = run_worker(dsn, conf, "body", rows)
         one_by_one = commits(admin, dbname) - before - startup
 
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("UPDATE pepsi.workqueue SET status = 'running', state = '{}'")
+            conn.execute("UPDATE pepsi.workqueue_body SET header = 'Subject: hi'")
+        before = commits(admin, dbname)
+        run_worker(dsn, conf, "hdr", rows)
+        header_stage = commits(admin, dbname) - before - startup
+
     assert [parse_status(line).status for line in lines] == [0] * 8
     assert all(parse_status(line).report for line in lines)  # timing reports ride along
     assert batched == 2  # one SELECT for the 8 rows, one statement for their outcomes
@@ -105,5 +116,6 @@ def test_bodyless_stage_batches_round_trips(
     # a stage that reads bodies takes them one at a time: 2 per message, plus one
     # PREPARE per statement once psycopg starts preparing them (5th execution)
     assert 16 <= one_by_one <= 18
+    assert 16 <= header_stage <= 18  # the header came with the row: no extra SELECT
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM pepsi.workqueue").fetchone() == (0,)

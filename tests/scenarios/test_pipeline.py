@@ -190,3 +190,46 @@ def test_unreadable_status_tears_the_worker_down(pipeline: Pipeline, tmp_path: P
     assert marker.exists()
     assert "unreadable status line" in dispatcher.log
     assert dispatcher.stop() == 0
+
+
+def test_non_json_state_never_crashes_the_worker(pipeline: Pipeline) -> None:
+    pipeline.configure(
+        "[stage-x]\nHANDLER = tests.stages:bad_state_then_fail\n"
+        "[stage-y]\nHANDLER = tests.stages:bad_state\n"
+    )
+    (x,) = pipeline.publish("x")
+    (y,) = pipeline.publish("y")
+    dispatcher = pipeline.start()
+    wait_until(
+        lambda: (
+            pipeline.scalar(
+                "SELECT count(*) FROM pepsi.workqueue WHERE status IN ('failed', 'paused')"
+            )
+            == 2
+        ),
+        what="both messages to settle",
+    )
+    assert dispatcher.stop() == 0
+    x_state = pipeline.scalar("SELECT state FROM pepsi.workqueue WHERE workqueue_id = %s", x)
+    assert x_state["failure_class"] == "permanent"
+    assert x_state["last_error"] == "and then it fails"
+    y_row = pipeline.db.execute(
+        "SELECT status::text, state FROM pepsi.workqueue WHERE workqueue_id = %s", (y,)
+    ).fetchone()
+    assert y_row is not None
+    assert y_row[0] == "paused"  # a host failure: retried later
+    assert "state is not JSON" in y_row[1]["last_error"]
+    assert "died" not in dispatcher.log
+    assert "in flight; requeued" not in dispatcher.log
+
+
+def test_broken_handler_module_is_refused_in_one_line(pipeline: Pipeline, tmp_path: Path) -> None:
+    (tmp_path / "broken_stage.py").write_text("raise RuntimeError('bad module')\n")
+    pipeline.configure("[stage-a]\nHANDLER = broken_stage:run\n")
+    pipeline.publish("a")
+    dispatcher = pipeline.start()
+    wait_until(lambda: "refused to run" in dispatcher.log, what="the worker to refuse")
+    assert "importing broken_stage failed: RuntimeError: bad module" in dispatcher.log
+    assert "Traceback" not in dispatcher.log
+    assert dispatcher.stop() == 0
+    assert pipeline.by_status() == {"pending": 1}

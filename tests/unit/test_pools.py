@@ -19,8 +19,17 @@ def load(key: int, inflight: int, queue_limit: int = 4, **kw: float | None) -> W
     return WorkerLoad(key, inflight, room=queue_limit - inflight, **kw)  # type: ignore[arg-type]
 
 
-def test_empty_stage_can_take_its_whole_capacity() -> None:
-    assert free_capacity([], limit=4, queue_limit=4) == 16
+def test_empty_stage_starts_with_one_worker() -> None:
+    assert free_capacity([], limit=4, queue_limit=4) == 4
+
+
+def test_pool_grows_one_worker_at_a_time() -> None:
+    starting = WorkerLoad(1, 4, room=0, ready=False)
+    assert free_capacity([starting], limit=4, queue_limit=4) == 0
+    ready = WorkerLoad(1, 4, room=0, ready=True)
+    assert free_capacity([ready], limit=4, queue_limit=4) == 4
+    full = [WorkerLoad(k, 4, room=0) for k in range(4)]
+    assert free_capacity(full, limit=4, queue_limit=4) == 0
 
 
 def test_work_is_packed_onto_the_busiest_worker_first() -> None:
@@ -30,10 +39,10 @@ def test_work_is_packed_onto_the_busiest_worker_first() -> None:
     assert plan.to_new == []
 
 
-def test_new_workers_only_when_existing_are_full() -> None:
-    plan = assign(list(range(10)), [load(1, 2)], limit=3, queue_limit=4)
+def test_new_worker_only_when_existing_are_full() -> None:
+    plan = assign(list(range(6)), [load(1, 2)], limit=3, queue_limit=4)
     assert plan.to_existing == {1: [0, 1]}
-    assert plan.to_new == [[2, 3, 4, 5], [6, 7, 8, 9]]
+    assert plan.to_new == [[2, 3, 4, 5]]
 
 
 def test_light_load_settles_on_one_worker() -> None:
@@ -46,6 +55,8 @@ def test_light_load_settles_on_one_worker() -> None:
 def test_beyond_capacity_is_an_error() -> None:
     with pytest.raises(ValueError, match="beyond"):
         assign(list(range(5)), [], limit=1, queue_limit=4)
+    with pytest.raises(ValueError, match="beyond"):
+        assign(list(range(5)), [], limit=4, queue_limit=4)  # one new worker at a time
 
 
 def test_max_messages_budget_limits_room() -> None:
@@ -78,7 +89,7 @@ def stages(draw: st.DrawFn) -> tuple[list[WorkerLoad], int, int]:
     for key in range(count):
         inflight = draw(st.integers(0, queue_limit))
         room = draw(st.integers(0, queue_limit - inflight))
-        workers.append(WorkerLoad(key, inflight, room))
+        workers.append(WorkerLoad(key, inflight, room, ready=draw(st.booleans())))
     return workers, limit, queue_limit
 
 
@@ -102,6 +113,10 @@ def test_assignment_invariants(
         assert len(batch) <= by_key[key].room
     assert all(1 <= len(batch) <= queue_limit for batch in plan.to_new)
     assert len(workers) + len(plan.to_new) <= limit
+    # slow start: at most one new worker, and none while another is starting
+    assert len(plan.to_new) <= 1
+    if any(not w.ready for w in workers):
+        assert plan.to_new == []
     # a new worker is started only when no existing worker has room left
     if plan.to_new:
         assert all(len(plan.to_existing.get(w.key, [])) == w.room for w in workers)

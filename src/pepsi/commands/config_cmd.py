@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from rich.console import Console
-
 from pepsi.config import Config, default_locations, find_config
 from pepsi.durations import format_duration
 from pepsi.errors import EX_OK, ConfigError
-from pepsi.terminal import console as make_console
-from pepsi.terminal import table as make_table
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from pepsi.cli import Context
 
 
@@ -30,6 +28,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_check(args: argparse.Namespace, ctx: Context) -> int:
+    from pepsi.terminal import console as make_console  # noqa: PLC0415  # rich loads slowly
+
     if find_config(ctx.config_path) is None:
         searched = ", ".join(str(p) for p in default_locations())
         raise ConfigError(f"no configuration file found (searched {searched}; use -c FILE)")
@@ -60,6 +60,8 @@ def chains(config: Config) -> list[list[str]]:
 
 
 def render_graph(config: Config, console: Console) -> None:
+    from pepsi.terminal import table as make_table  # noqa: PLC0415
+
     table = make_table("stages", "stage", "runs", "next", "bounce", "pool", "max runtime")
     for stage in config.stages.values():
         runs = f"handler {stage.handler}" if stage.handler else f"program {stage.program}"

@@ -5,17 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Table
-
 from pepsi.db import connect, schema
 from pepsi.db.embedded import EmbeddedServer
 from pepsi.db.queries import query
 from pepsi.errors import EX_OK, PepsiError
-from pepsi.terminal import console as make_console
-from pepsi.terminal import table as make_table
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from pepsi.cli import Context
 
 
@@ -71,11 +68,12 @@ def run_url(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def run_status(args: argparse.Namespace, ctx: Context) -> int:
+    from pepsi.terminal import console as make_console  # noqa: PLC0415  # rich loads slowly
+    from pepsi.terminal import grid  # noqa: PLC0415
+
     config = ctx.config()
     console = make_console()
-    facts = Table.grid(padding=(0, 2))
-    facts.add_column(style="bold")
-    facts.add_column()
+    facts = grid()
     dsn = connect.configured_dsn(config)
     if dsn is None:
         status = EmbeddedServer(config.postgres.data_dir).status()
@@ -103,6 +101,8 @@ def run_status(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def render_queue(console: Console, rows: list[tuple[object, ...]]) -> None:
+    from pepsi.terminal import table as make_table  # noqa: PLC0415
+
     if not rows:
         console.print("queue: empty")
         return

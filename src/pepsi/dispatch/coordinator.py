@@ -39,6 +39,12 @@ LOCK_WAIT = 10.0  # seconds a second dispatcher waits for the singleton lock (P-
 COOLDOWN = 5.0  # seconds a stage rests after a worker died before ready (W-7)
 STOP_WAIT = 10.0  # seconds a worker asked to finish may take before it is killed
 RECONNECT_MAX = 30.0
+READY_TIMEOUT = 60.0  # seconds a new worker may take to print `ready`
+
+
+class _StopRequested(Exception):
+    """SIGINT/SIGTERM arrived before the dispatcher had started."""
+
 
 AConn = psycopg.AsyncConnection[tuple[Any, ...]]
 
@@ -93,7 +99,10 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self.request_stop)
-        self.conn = await self._connect_locked(initial=True)
+        try:
+            self.conn = await self._connect_locked(initial=True)
+        except _StopRequested:
+            return EX_OK
         try:
             await self._start_checks(self.conn)
             listener = loop.create_task(self._listen())
@@ -135,6 +144,9 @@ class Dispatcher:
             if not announced and initial:
                 log.warning("another dispatcher holds the lock; waiting up to %ds", LOCK_WAIT)
                 announced = True
+            if self.stopping:
+                await conn.close()
+                raise _StopRequested
             if time.monotonic() >= deadline:
                 holder = await (await conn.execute(query("dispatcher_lock_holder"))).fetchone()
                 await conn.close()
@@ -181,6 +193,12 @@ class Dispatcher:
     def _sleep_time(self) -> float:
         now = time.monotonic()
         deadlines = [self.next_poll]
+        deadlines.extend(
+            w.started_at + READY_TIMEOUT
+            for pool in self.pools.values()
+            for w in pool.workers.values()
+            if not w.ready and not w.stopping
+        )
         if self.next_due is not None:
             deadlines.append(self.next_due)
         idle_timeout = self.config.dispatch.worker_idle_timeout
@@ -283,6 +301,7 @@ class Dispatcher:
 
     def _on_ready(self, worker: WorkerProcess) -> None:
         log.debug("stage %s: worker pid %s ready", worker.stage, worker.pid)
+        self.wake.set()  # the stage may start its next worker
 
     def _on_status(self, worker: WorkerProcess, wid: int, status: StatusLine) -> None:
         self.completed_total += 1
@@ -331,8 +350,12 @@ class Dispatcher:
         pool.cooldown_until = time.monotonic() + COOLDOWN
 
     def _retire_idle(self, now: float) -> None:
+        """Stop idle and spent workers; kill those that never became ready."""
         idle_timeout = self.config.dispatch.worker_idle_timeout
         for pool in self.pools.values():
+            for worker in list(pool.workers.values()):
+                if not worker.ready and now - worker.started_at > READY_TIMEOUT:
+                    worker.kill(f"not ready after {READY_TIMEOUT:.0f}s")
             idle = set(pools.idle_to_stop(pool.loads(), now, idle_timeout))
             for worker in list(pool.workers.values()):
                 # MAX_MESSAGES handled and pipeline drained: recycle (P-6).
@@ -386,6 +409,21 @@ class Dispatcher:
                 await asyncio.sleep(delay)
                 delay = min(RECONNECT_MAX, delay * 2)
 
+    async def _reset_orphans(self) -> None:
+        """After a reconnect: rows left running that no worker holds go back to pending.
+
+        A claim whose answer was lost with the connection committed rows that
+        no worker was given; holding the lock again, this dispatcher is the
+        only one that can know which running rows are really in flight.
+        """
+        assert self.conn is not None
+        held = [
+            wid for pool in self.pools.values() for w in pool.workers.values() for wid in w.inflight
+        ]
+        cur = await self.conn.execute(query("workqueue_reset_running_except"), {"held": held})
+        if cur.rowcount:
+            log.warning("reset %d claimed rows no worker holds to pending", cur.rowcount)
+
     async def _reconnect(self) -> None:
         delay = 1.0
         if self.conn is not None:
@@ -394,11 +432,16 @@ class Dispatcher:
         while not self.stopping:
             try:
                 self.conn = await self._connect_locked(initial=False)
+                await self._reset_orphans()
                 log.info("database connection restored")
                 self.wake.set()
                 return
+            except _StopRequested:
+                return
             except DatabaseUnavailable as exc:
                 log.warning("%s; retrying in %.0fs", exc, delay)
+            except psycopg.OperationalError as exc:
+                log.warning("database: %s; retrying in %.0fs", one_line(exc), delay)
             await asyncio.sleep(delay)
             delay = min(RECONNECT_MAX, delay * 2)
 

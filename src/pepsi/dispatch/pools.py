@@ -18,6 +18,7 @@ class WorkerLoad:
     inflight: int  # ids written to it and not yet answered
     room: int  # ids it may still take now (QUEUE_LIMIT and MAX_MESSAGES allowing)
     idle_since: float | None = None  # monotonic time it last became empty
+    ready: bool = True  # False until the worker has printed `ready`
 
 
 def room_for(inflight: int, handled: int, queue_limit: int, max_messages: int) -> int:
@@ -36,11 +37,22 @@ def worker_limit(parallelism: int, cap: int | None = None) -> int:
     return max(1, min(parallelism, cap)) if cap is not None else parallelism
 
 
+def startable(workers: Sequence[WorkerLoad], limit: int) -> int:
+    """Workers the stage may start now: one at a time (slow start).
+
+    A new worker is started only once the previous one has announced
+    `ready`, so a burst grows the pool step by step instead of paying every
+    process start at once (on two cores, sixteen interpreters starting
+    together stall the whole pipeline for seconds).
+    """
+    if any(not w.ready for w in workers):
+        return 0
+    return 1 if len(workers) < limit else 0
+
+
 def free_capacity(workers: Sequence[WorkerLoad], limit: int, queue_limit: int) -> int:
-    """Ids the stage can take now: room in accepting workers plus workers it may start."""
-    room = sum(w.room for w in workers)
-    startable = max(0, limit - len(workers))
-    return room + startable * queue_limit
+    """Ids the stage can take now: room in its workers plus a worker it may start."""
+    return sum(w.room for w in workers) + startable(workers, limit) * queue_limit
 
 
 def assign(
@@ -59,11 +71,9 @@ def assign(
             break
         take = worker.room
         result.to_existing[worker.key], pending = pending[:take], pending[take:]
-    startable = max(0, limit - len(workers))
-    while pending and startable > 0:
+    if pending and startable(workers, limit):
         result.to_new.append(pending[:queue_limit])
         pending = pending[queue_limit:]
-        startable -= 1
     if pending:
         raise ValueError(f"{len(pending)} ids beyond the stage's free capacity")
     return result

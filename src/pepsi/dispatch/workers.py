@@ -60,7 +60,8 @@ class WorkerProcess:
         self.ready = False
         self.handled = 0
         self.stopping = False
-        self.idle_since: float | None = time.monotonic()
+        self.started_at = time.monotonic()
+        self.idle_since: float | None = self.started_at
         self.head_since: float | None = None  # when the head id reached the head
         self._on_ready = on_ready
         self._on_status = on_status
@@ -79,7 +80,9 @@ class WorkerProcess:
             if self.stopping
             else room_for(len(self.inflight), self.handled, queue_limit, max_messages)
         )
-        return WorkerLoad(self.key, len(self.inflight), room, idle_since=self.idle_since)
+        return WorkerLoad(
+            self.key, len(self.inflight), room, idle_since=self.idle_since, ready=self.ready
+        )
 
     async def start(self, ids: Sequence[int]) -> None:
         """Spawn the child and hand it its first ids (buffered until it reads them)."""

@@ -36,7 +36,8 @@ LEFT JOIN pepsi.workqueue_body b ON %(with_header)s AND b.body_id = w.body_id
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.stage = %(stage)s;
 
 -- name: workqueue_body_get
-SELECT header, body FROM pepsi.workqueue_body WHERE body_id = %(body_id)s;
+SELECT CASE WHEN %(with_header)s THEN header END, body
+FROM pepsi.workqueue_body WHERE body_id = %(body_id)s;
 
 -- name: workqueue_record_outcomes
 -- Every outcome of a batch in one round trip (W-2, W-8): finished rows are
@@ -90,6 +91,12 @@ WHERE workqueue_id = ANY(%(ids)s::bigint[]) AND status = 'running' AND stage = %
 -- name: workqueue_reset_running
 -- P-2: at start, rows left running by a previous dispatcher go back to pending.
 UPDATE pepsi.workqueue SET status = 'pending' WHERE status = 'running';
+
+-- name: workqueue_reset_running_except
+-- After the dispatcher reconnects: running rows none of its workers holds
+-- (a claim whose answer was lost) go back to pending.
+UPDATE pepsi.workqueue SET status = 'pending'
+WHERE status = 'running' AND NOT (workqueue_id = ANY(%(held)s::bigint[]));
 
 -- name: workqueue_resume_due
 -- P-8: flip paused rows that are due, and tell when the next one falls due.

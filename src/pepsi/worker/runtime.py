@@ -65,6 +65,9 @@ def load_handler(stage: StageConfig) -> StageFunc:
         raise WorkerRefused(f"cannot import {module_name}: {exc}", **where) from None
     except AttributeError:
         raise WorkerRefused(f"{module_name} has no {attr}", **where) from None
+    except Exception as exc:  # noqa: BLE001  # a module failing at import: refuse (W-7)
+        detail = f"{type(exc).__name__}: {exc}"
+        raise WorkerRefused(f"importing {module_name} failed: {detail}", **where) from None
     if not callable(target):
         raise WorkerRefused(f"{stage.handler} is not callable", **where)
     func: StageFunc = target
@@ -136,12 +139,18 @@ class StageRunner:
             _body=body,
         )
         if self.needs is not Needs.BODY and body_id is not None:
-            msg._loader = self._body_loader(body_id)
+            msg._loader = self._body_loader(body_id, keep_header=self.needs is Needs.HEADER)
         return msg
 
-    def _body_loader(self, body_id: int) -> Callable[[], tuple[bytes | None, bytes | None]]:
+    def _body_loader(
+        self, body_id: int, *, keep_header: bool
+    ) -> Callable[[], tuple[bytes | None, bytes | None]]:
+        """Load what the stage did not declare, on first access (one SELECT)."""
+
         def load() -> tuple[bytes | None, bytes | None]:
-            row = self.conn.execute(query("workqueue_body_get"), {"body_id": body_id}).fetchone()
+            row = self.conn.execute(
+                query("workqueue_body_get"), {"body_id": body_id, "with_header": not keep_header}
+            ).fetchone()
             return (row[0], row[1]) if row else (None, None)
 
         return load
@@ -189,16 +198,13 @@ class StageRunner:
         return result
 
     def _run_one(self, msg: Message, batch: Batch) -> None:
-        loaded_state = dict(msg.state)
+        loaded_state = json.dumps(msg.state)
         try:
             outcome = self._call(msg)
-            try:
-                json.dumps(msg.state)
-            except (TypeError, ValueError) as exc:
-                msg.state = loaded_state
-                raise TypeError(f"state is not JSON: {exc}") from None
+            _check_state(msg, loaded_state)
             self._record(msg, outcome, batch)
         except PermanentError as exc:
+            _check_state(msg, loaded_state, quiet=True)
             decision = policy.on_permanent_error(msg.stage, msg.state, str(exc) or "permanent")
             self.stage_log.error("message %d failed permanently: %s", msg.id, exc)
             self._apply(msg, decision, batch)
@@ -256,6 +262,20 @@ class StageRunner:
         )
         failed = decision.status == "failed"
         batch.statuses[msg.id] = format_status(STATUS_FAILED if failed else 0)
+
+
+def _check_state(msg: Message, loaded: str, *, quiet: bool = False) -> None:
+    """A state that is not JSON cannot be written: restore the loaded one.
+
+    On the success path that is the stage's error (a host failure); on an
+    error path the stage's own error is what gets recorded.
+    """
+    try:
+        json.dumps(msg.state)
+    except (TypeError, ValueError) as exc:
+        msg.state = json.loads(loaded)
+        if not quiet:
+            raise TypeError(f"state is not JSON: {exc}") from None
 
 
 def _update(
