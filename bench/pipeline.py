@@ -25,28 +25,14 @@ import time
 from pathlib import Path
 
 import psycopg
-from psycopg import conninfo, sql
+from common import scratch_database
 
 from pepsi.config import load_config
-from pepsi.db import connect, schema
-from pepsi.publish import publish
+from pepsi.publishing import OutgoingMessage, Publisher
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 DB = "pepsi_bench"
-
-
-def scratch_database() -> str:
-    config = load_config(None)
-    target = connect.resolve(config)
-    admin = conninfo.make_conninfo(target.dsn, dbname="postgres")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(DB)))
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(DB)))
-    dsn = conninfo.make_conninfo(target.dsn, dbname=DB)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        schema.install(conn)
-    return dsn
 
 
 def stage_config(names: list[str], last: str = "noop") -> str:
@@ -66,6 +52,7 @@ class Run:
         self.conf.write_text(conf_text)
         self.config = load_config(self.conf)
         self.db = psycopg.connect(dsn, autocommit=True)
+        self.publisher = Publisher(self.config, dsn)
         env = {**os.environ, "PEPSI_DSN": dsn, "PYTHONPATH": f"{HERE}{os.pathsep}{REPO / 'src'}"}
         self.log = tmp / "dispatch.log"
         with self.log.open("ab") as log:
@@ -90,10 +77,14 @@ class Run:
 
     def warm(self, first: str) -> None:
         """Start every worker of the pool before measuring (startup is not throughput)."""
-        publish(self.db, self.config, first, count=200)
+        self.publish(first, 200)
         self.drain()
 
+    def publish(self, stage: str, count: int) -> list[int]:
+        return self.publisher.publish_many([OutgoingMessage(stage)] * count)
+
     def close(self) -> None:
+        self.publisher.close()
         self.proc.terminate()
         self.proc.wait(timeout=60)
         self.db.close()
@@ -105,7 +96,7 @@ def throughput(dsn: str, stages: int, messages: int, tmp: Path) -> dict[str, flo
     try:
         run.warm(names[0])
         start = time.perf_counter()
-        publish(run.db, run.config, names[0], count=messages)
+        run.publish(names[0], messages)
         run.drain()
         elapsed = time.perf_counter() - start
     finally:
@@ -131,7 +122,7 @@ def latency(dsn: str, samples: int, tmp: Path) -> dict[str, float]:
         for _ in range(samples):
             time.sleep(0.02)  # let the pipeline go idle between samples
             start = time.perf_counter()
-            (wid,) = publish(run.db, run.config, "only")
+            (wid,) = run.publish("only", 1)
             for note in listener.notifies(timeout=10):
                 if note.payload == str(wid):
                     break
@@ -157,7 +148,7 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=5000)
     parser.add_argument("--samples", type=int, default=200)
     args = parser.parse_args()
-    dsn = scratch_database()
+    dsn = scratch_database(DB)
     with tempfile.TemporaryDirectory() as tmp:
         results = {
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},

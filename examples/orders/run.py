@@ -24,7 +24,7 @@ from rich.table import Table
 
 from pepsi.config import Config, load_config
 from pepsi.db import connect, schema
-from pepsi.publish import publish
+from pepsi.publishing import OutgoingMessage, Publisher
 
 HERE = Path(__file__).resolve().parent
 CONF = HERE / "pepsi.conf"
@@ -54,12 +54,13 @@ def prepare(console: Console) -> tuple[Config, str, psycopg.Connection[tuple[obj
     )
     db.execute("TRUNCATE demo_shipments")
     db.execute("DELETE FROM pepsi.workqueue WHERE stage = ANY(%s)", (list(STAGES),))
+    db.execute("DELETE FROM pepsi.publish_dedup WHERE message_id LIKE 'order-%'")
     return config, target.dsn, db
 
 
 def feed(
     console: Console,
-    config: Config,
+    publisher: Publisher,
     db: psycopg.Connection[tuple[object, ...]],
     dispatcher: subprocess.Popen[bytes],
     *,
@@ -76,16 +77,16 @@ def feed(
         while n < orders or remaining(db) > 0:
             if n < orders:
                 size = min(burst, orders - n)
-                with db.transaction():  # one burst = one transaction, one NOTIFY
-                    for i in range(n, n + size):
-                        publish(
-                            db,
-                            config,
-                            "validate",
-                            body=order(i, rng),
-                            content_type="application/json",
-                            message_id=f"order-{i}",
-                        )
+                publisher.publish_many(  # one burst = one transaction, one NOTIFY
+                    OutgoingMessage(
+                        "validate",
+                        order(i, rng),
+                        content_type="application/json",
+                        message_id=f"order-{i}",
+                        dedup=True,
+                    )
+                    for i in range(n, n + size)
+                )
                 n += size
                 progress.update(published, completed=n)
             progress.update(done, completed=n - remaining(db))
@@ -152,7 +153,8 @@ def main() -> int:
     console.print(f"dispatcher started (pid {dispatcher.pid}, log {log})")
     started = time.monotonic()
     try:
-        fed = feed(console, config, db, dispatcher, orders=args.orders, burst=args.burst)
+        with Publisher(config, dsn) as publisher:
+            fed = feed(console, publisher, db, dispatcher, orders=args.orders, burst=args.burst)
         elapsed = time.monotonic() - started
     finally:
         if dispatcher.poll() is None:

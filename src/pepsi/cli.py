@@ -166,5 +166,6 @@ def _alias(command: str) -> Callable[[], int]:
 main_setup = _alias("setup")
 main_config = _alias("config")
 main_dispatch = _alias("dispatch")
+main_ingress = _alias("ingress")
 
-__all__ = ["EX_OK", "main", "main_config", "main_dispatch", "main_setup"]
+__all__ = ["EX_OK", "main", "main_config", "main_dispatch", "main_ingress", "main_setup"]

@@ -5,6 +5,7 @@ Layout of the file (see docs/configuration.md for every key):
     [pepsi]             global switches
     [pepsi-dispatch]    the dispatcher
     [pepsi-postgres]    the database (embedded by default)
+    [pepsi-ingress]     publishing: deduplication window, message size limit
     [stage-NAME]        one per stage
 
 Parsing is pure: `parse_config` takes the raw sections (from the file and,
@@ -75,6 +76,15 @@ class PostgresOptions:
     connect_timeout: float = 10.0
 
 
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class IngressOptions:
+    dedup_window: float = 24 * 3600.0
+    max_message_size: int = 64 * MIB
+
+
 @dataclass(frozen=True)
 class StageConfig:
     name: str
@@ -104,6 +114,7 @@ class Config:
     pepsi: PepsiOptions = field(default_factory=PepsiOptions)
     dispatch: DispatchOptions = field(default_factory=DispatchOptions)
     postgres: PostgresOptions = field(default_factory=PostgresOptions)
+    ingress: IngressOptions = field(default_factory=IngressOptions)
     stages: Mapping[str, StageConfig] = field(default_factory=lambda: MappingProxyType({}))
     warnings: tuple[str, ...] = ()
 
@@ -236,6 +247,24 @@ def _duration(minimum: float = 0.001) -> Callable[[str], float]:
     return parse
 
 
+_SIZE = re.compile(r"(\d+)\s*([kmg]i?b?|b)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def _size(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        match = _SIZE.fullmatch(text.strip())
+        if match is None:
+            raise ValueError(f"expected a size such as 512K, 64M or 1G, got {text!r}")
+        unit = (match.group(2) or "").lower()[:1]
+        value = int(match.group(1)) * _SIZE_UNITS[unit]
+        if not low <= value <= high:
+            raise ValueError(f"must be between {low} bytes and {high // MIB}M, got {text!r}")
+        return value
+
+    return parse
+
+
 def _text(text: str) -> str:
     value = text.strip()
     if not value:
@@ -300,6 +329,10 @@ POSTGRES_KEYS: Spec = {
     "POOL_MAX_SIZE": ("pool_max_size", _int(1, 1000)),
     "CONNECT_TIMEOUT": ("connect_timeout", _duration(1.0)),
 }
+INGRESS_KEYS: Spec = {
+    "DEDUP_WINDOW": ("dedup_window", _duration(1.0)),
+    "MAX_MESSAGE_SIZE": ("max_message_size", _size(1024, 512 * MIB)),
+}
 STAGE_KEYS: Spec = {
     "PROGRAM": ("program", _program),
     "HANDLER": ("handler", _handler),
@@ -319,6 +352,7 @@ SECTIONS: Mapping[str, Spec] = {
     "pepsi": PEPSI_KEYS,
     "pepsi-dispatch": DISPATCH_KEYS,
     "pepsi-postgres": POSTGRES_KEYS,
+    "pepsi-ingress": INGRESS_KEYS,
 }
 
 
@@ -362,8 +396,8 @@ def parse_config(raw: RawSections, path: Path | None = None) -> Config:
         else:
             origin = next(iter(keys.values())).origin if keys else file
             raise ConfigError(
-                "unknown section (expected [pepsi], [pepsi-dispatch], [pepsi-postgres] "
-                "or [stage-NAME])",
+                "unknown section (expected [pepsi], [pepsi-dispatch], [pepsi-postgres], "
+                "[pepsi-ingress] or [stage-NAME])",
                 file=origin,
                 section=section,
             )
@@ -395,6 +429,7 @@ def parse_config(raw: RawSections, path: Path | None = None) -> Config:
         pepsi=PepsiOptions(**parsed.get("pepsi", {})),
         dispatch=dispatch,
         postgres=postgres,
+        ingress=IngressOptions(**parsed.get("pepsi-ingress", {})),
         stages=MappingProxyType(stages),
         warnings=tuple(warnings),
     )

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from pepsi.config import load_config
-from pepsi.publish import publish
+from pepsi.publishing import OutgoingMessage, Publisher
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,6 +55,7 @@ class Pipeline:
         self.tmp = tmp
         self.conf = tmp / "pepsi.conf"
         self.dispatchers: list[Dispatcher] = []
+        self.publisher: Publisher | None = None
         self.db = psycopg.connect(dsn, autocommit=True)
         self.db.execute(
             "CREATE TABLE test_effects (workqueue_id bigint, stage text, pid int,"
@@ -89,7 +90,18 @@ class Pipeline:
         return dispatcher
 
     def publish(self, stage: str, count: int = 1, **kw: Any) -> list[int]:
-        return publish(self.db, load_config(self.conf), stage, count=count, **kw)
+        """Publish `count` copies through the real publisher, 1 000 per transaction."""
+        if self.publisher is None:
+            self.publisher = Publisher(load_config(self.conf), self.dsn)
+        if "properties" in kw:
+            kw["headers"] = kw.pop("properties")
+        if "recipients" in kw:
+            kw["recipients"] = tuple(kw["recipients"])
+        msg = OutgoingMessage(stage, kw.pop("body", None), **kw)
+        ids: list[int] = []
+        for start in range(0, count, 1000):
+            ids += self.publisher.publish_many([msg] * min(1000, count - start))
+        return ids
 
     def scalar(self, sql: str, *params: Any) -> Any:
         row = self.db.execute(sql, params).fetchone()
@@ -116,6 +128,8 @@ class Pipeline:
         )
 
     def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
         for dispatcher in self.dispatchers:
             if dispatcher.proc.poll() is None:
                 dispatcher.proc.kill()

@@ -233,3 +233,16 @@ def test_broken_handler_module_is_refused_in_one_line(pipeline: Pipeline, tmp_pa
     assert "Traceback" not in dispatcher.log
     assert dispatcher.stop() == 0
     assert pipeline.by_status() == {"pending": 1}
+
+
+def test_dispatcher_dead_letters_expired_messages(pipeline: Pipeline) -> None:
+    pipeline.configure(
+        "[stage-stuck]\nHANDLER = tests.stages:does_not_exist\nTTL = 1s\nBOUNCE_STAGE = dlq\n"
+        "[stage-dlq]\nHANDLER = tests.stages:effect\n"
+    )
+    ids = pipeline.publish("stuck", count=5)  # never processed: its worker refuses to start
+    dispatcher = pipeline.start()
+    wait_until(lambda: pipeline.remaining() == 0, timeout=30, what="expiry and dead-lettering")
+    assert "dead-lettered 5 expired messages (TTL)" in dispatcher.log
+    assert effects_per_message(pipeline) == {(i, "dlq"): 1 for i in ids}
+    assert dispatcher.stop() == 0

@@ -12,7 +12,7 @@ from pepsi.commands import (
     config_cmd,
     db_cmd,
     dispatch_cmd,
-    publish_cmd,
+    ingress_cmd,
     setup_cmd,
     worker_cmd,
 )
@@ -24,6 +24,6 @@ COMMANDS: tuple[Register, ...] = (
     config_cmd.register,
     db_cmd.register,
     dispatch_cmd.register,
-    publish_cmd.register,
+    ingress_cmd.register,
     worker_cmd.register,
 )

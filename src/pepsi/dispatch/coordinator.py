@@ -90,6 +90,8 @@ class Dispatcher:
         self.next_key = 0
         self.next_due: float | None = None  # monotonic time the earliest paused row is due
         self.next_poll = 0.0
+        self.next_housekeeping = 0.0
+        self.body_cursor = 0
         self.claimed_total = 0
         self.completed_total = 0
 
@@ -187,7 +189,11 @@ class Dispatcher:
         await self._flush_requeues()
         if now >= self.next_poll or (self.next_due is not None and now >= self.next_due):
             await self._resume_due()
+            await self._expire()
             self.next_poll = now + self.config.dispatch.poll_interval
+        if now >= self.next_housekeeping:
+            await self._housekeeping()
+            self.next_housekeeping = now + self.config.dispatch.stats_interval
         await self._claim()
 
     def _sleep_time(self) -> float:
@@ -218,6 +224,39 @@ class Dispatcher:
         if resumed:
             log.info("resumed %d paused rows", resumed)
         self.next_due = None if next_due_in is None else time.monotonic() + float(next_due_in)
+
+    async def _expire(self) -> None:
+        """R-10: the TTL sweep, on the poll tick rather than in every claim."""
+        assert self.conn is not None
+        stages = list(self.config.stages.values())
+        row = await (
+            await self.conn.execute(
+                query("workqueue_expire"),
+                {
+                    "stages": [s.name for s in stages],
+                    "ttls": [s.ttl for s in stages],
+                    "bounces": [s.bounce_stage for s in stages],
+                    "max_rows": 1000,
+                },
+            )
+        ).fetchone()
+        if row and row[0]:
+            log.warning("dead-lettered %d expired messages (TTL)", row[0])
+
+    async def _housekeeping(self) -> None:
+        """Every STATS_INTERVAL: sweep the dedup window and orphaned bodies."""
+        assert self.conn is not None
+        window = self.config.ingress.dedup_window
+        await self.conn.execute(query("publish_dedup_sweep"), {"window": window, "max_rows": 10000})
+        row = await (
+            await self.conn.execute(
+                query("workqueue_body_gc"), {"after_id": self.body_cursor, "max_examined": 10000}
+            )
+        ).fetchone()
+        if row is not None:
+            if row[0]:
+                log.info("collected %d orphaned message bodies", row[0])
+            self.body_cursor = int(row[1])
 
     async def _claim(self) -> None:
         assert self.conn is not None

@@ -147,3 +147,14 @@ RETURNING workqueue_id;
 
 -- name: workqueue_notify
 NOTIFY workqueue;
+
+-- name: config_override_all
+SELECT section, key, value FROM pepsi.config_override ORDER BY section, key;
+
+-- name: workqueue_expire
+-- R-10: dead-letter pending rows past their stage's TTL or their own expiry.
+SELECT pepsi.workqueue_expire(%(stages)s::text[], %(ttls)s::float8[], %(bounces)s::text[],
+                              %(max_rows)s);
+
+-- name: publish_dedup_sweep
+SELECT pepsi.publish_dedup_sweep(%(window)s, %(max_rows)s);

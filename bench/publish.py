@@ -1,0 +1,129 @@
+"""Publish throughput: confirms/s next to the database's raw INSERT rate.
+
+    .venv/bin/python bench/publish.py [--messages 5000]
+
+All in one run, 1 KB bodies, on a scratch database `pepsi_bench_publish`:
+- raw INSERT, one row per commit (the commit limit of this machine) and
+  1 000 rows per commit (the row limit), into a table with just a key;
+- publish one message per call (one confirm each);
+- publish_many in batches of 100 and of 1 000;
+- the async pipeline (up to 1 000 unconfirmed, batches of up to 500, two
+  connections).
+Prints one JSON document and a summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+from common import scratch_database
+
+from pepsi.config import load_config
+from pepsi.publishing import AsyncPublisher, OutgoingMessage, Publisher
+
+BODY = b"x" * 1024
+CONF = "[stage-inbound]\nHANDLER = bench_stages:noop\n"
+
+
+def timed(count: int, run: Callable[[], object]) -> dict[str, float]:
+    start = time.perf_counter()
+    run()
+    seconds = time.perf_counter() - start
+    return {"messages": count, "seconds": round(seconds, 3), "per_s": round(count / seconds, 1)}
+
+
+def raw_inserts(dsn: str, n: int) -> dict[str, dict[str, float]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE raw (id bigserial PRIMARY KEY, body bytea)")
+        conn.execute("SET synchronous_commit = on")
+
+        def one_per_commit() -> None:
+            for _ in range(n):
+                conn.execute("INSERT INTO raw (body) VALUES (%s)", (BODY,))
+
+        def thousand_per_commit() -> None:
+            for _ in range(max(1, n // 1000)):
+                conn.execute(
+                    "INSERT INTO raw (body) SELECT b FROM unnest(%s::bytea[]) b", ([BODY] * 1000,)
+                )
+
+        return {
+            "one_row_per_commit": timed(n, one_per_commit),
+            "1000_rows_per_commit": timed(max(1, n // 1000) * 1000, thousand_per_commit),
+        }
+
+
+def publishes(dsn: str, conf: Path, n: int) -> dict[str, dict[str, float]]:
+    config = load_config(conf)
+    msg = OutgoingMessage("inbound", BODY)
+    with Publisher(config, dsn) as pub:
+
+        def batches(size: int) -> Callable[[], None]:
+            def run() -> None:
+                for _ in range(max(1, n // size)):
+                    pub.publish_many([msg] * size)
+
+            return run
+
+        results = {
+            "single": timed(n, lambda: [pub.publish("inbound", BODY) for _ in range(n)]),
+            "batch_100": timed(max(1, n // 100) * 100, batches(100)),
+            "batch_1000": timed(max(1, n // 1000) * 1000, batches(1000)),
+        }
+
+    async def pipelined() -> None:
+        apub = await AsyncPublisher.connect(config, dsn)
+        pipe = apub.pipeline(max_outstanding=1000, max_batch=500, concurrency=2)
+        async with apub, pipe:
+            futures = [await pipe.submit(msg) for _ in range(n * 2)]
+            await asyncio.gather(*futures)
+
+    results["async_pipelined"] = timed(n * 2, lambda: asyncio.run(pipelined()))
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--messages", type=int, default=5000)
+    args = parser.parse_args()
+    dsn = scratch_database("pepsi_bench_publish")
+    with tempfile.TemporaryDirectory() as tmp:
+        conf = Path(tmp) / "pepsi.conf"
+        conf.write_text(CONF)
+        raw = raw_inserts(dsn, args.messages)
+        pub = publishes(dsn, conf, args.messages)
+    results = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "body_bytes": len(BODY),
+        "raw_insert": raw,
+        "publish": pub,
+    }
+    print(json.dumps(results, indent=2))
+    commit_limit = raw["one_row_per_commit"]["per_s"]
+    row_limit = raw["1000_rows_per_commit"]["per_s"]
+    print(
+        f"SUMMARY raw: {commit_limit:.0f} commits/s, {row_limit:.0f} rows/s batched; "
+        f"publish single {pub['single']['per_s']:.0f}/s "
+        f"({pub['single']['per_s'] / commit_limit:.2f}x commit limit), "
+        f"batch 100 {pub['batch_100']['per_s']:.0f}/s, "
+        f"batch 1000 {pub['batch_1000']['per_s']:.0f}/s "
+        f"({pub['batch_1000']['per_s'] / row_limit:.2f}x row limit), "
+        f"async pipelined {pub['async_pipelined']['per_s']:.0f}/s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Publishing: a message becomes a committed row (the confirm, R-1).
+
+    from pepsi import Publisher
+
+    with Publisher.connect("pepsi.conf") as pub:
+        wid = pub.publish("inbound", b"body", sender="a@example.org", recipients=["b@x.org"])
+
+Sync and async share everything but the executor: `batch.py` turns messages
+into one call of the SQL function `pepsi.workqueue_publish` (insert, dedup,
+length limits, one NOTIFY) and reads its answer; `client.py` runs it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pepsi.publishing.errors import InvalidMessage, NoRoute, NotConfirmed, Rejected
+from pepsi.publishing.message import OutgoingMessage
+
+if TYPE_CHECKING:
+    from pepsi.publishing.client import AsyncPublisher, Pipeline, Publisher
+
+_CLIENT = {"AsyncPublisher", "Pipeline", "Publisher"}
+
+
+def __getattr__(name: str) -> Any:
+    # The clients load psycopg_pool; commands that never publish skip it.
+    if name in _CLIENT:
+        from pepsi.publishing import client  # noqa: PLC0415
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'pepsi.publishing' has no attribute {name!r}")
+
+
+__all__ = [
+    "AsyncPublisher",
+    "InvalidMessage",
+    "NoRoute",
+    "NotConfirmed",
+    "OutgoingMessage",
+    "Pipeline",
+    "Publisher",
+    "Rejected",
+]

@@ -1,0 +1,408 @@
+"""Publishing (issue 4): confirms, batches, outbox, dedup, routing, limits, TTL."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import conninfo
+
+from pepsi.config import load_config
+from pepsi.publishing import (
+    AsyncPublisher,
+    InvalidMessage,
+    NoRoute,
+    OutgoingMessage,
+    Publisher,
+    Rejected,
+)
+from tests.scenarios.conftest import REPO, wait_until
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+CONF = """
+[pepsi-ingress]
+MAX_MESSAGE_SIZE = 4K
+DEDUP_WINDOW = 1h
+[stage-inbound]
+HANDLER = tests.stages:noop
+[stage-small]
+HANDLER = tests.stages:noop
+MAX_LENGTH = 5
+[stage-dropping]
+HANDLER = tests.stages:noop
+MAX_LENGTH = 5
+OVERFLOW = drop-head
+BOUNCE_STAGE = dlq
+[stage-dropping-nowhere]
+HANDLER = tests.stages:noop
+MAX_LENGTH = 2
+OVERFLOW = drop-head
+[stage-short]
+HANDLER = tests.stages:noop
+TTL = 1h
+BOUNCE_STAGE = dlq
+[stage-dlq]
+HANDLER = tests.stages:noop
+"""
+
+
+@pytest.fixture
+def conf(tmp_path: Path) -> Path:
+    path = tmp_path / "pepsi.conf"
+    path.write_text(CONF)
+    return path
+
+
+@pytest.fixture
+def pub(conf: Path, dsn: str) -> Iterator[Publisher]:
+    with Publisher(load_config(conf), dsn) as publisher:
+        yield publisher
+
+
+def count(conn: Conn, where: str = "true", *params: Any) -> int:
+    row = conn.execute(f"SELECT count(*) FROM pepsi.workqueue WHERE {where}", params).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_publish_is_committed_with_everything_it_carries(pub: Publisher, conn: Conn) -> None:
+    wid = pub.publish(
+        "inbound",
+        "héllo",
+        header=b"Subject: hi\r\n",
+        sender="a@example.org",
+        recipients=["b@example.net", "c@example.net"],
+        peer="2001:db8::1",
+        message_id="m-1",
+        subject="hi",
+        header_from="A <a@example.org>",
+        content_type="text/plain",
+        correlation_id="c-9",
+        headers={"priority": 3},
+    )
+    row = conn.execute(
+        "SELECT stage, status::text, sender, recipients, host(origin_peer), message_id, subject,"
+        " header_from, content_type, correlation_id, properties, sender_key, b.header, b.body"
+        " FROM pepsi.workqueue w JOIN pepsi.workqueue_body b USING (body_id)"
+        " WHERE workqueue_id = %s",
+        (wid,),
+    ).fetchone()
+    assert row == (
+        "inbound", "pending", "a@example.org", ["b@example.net", "c@example.net"],
+        "2001:db8::1", "m-1", "hi", "A <a@example.org>", "text/plain", "c-9",
+        {"priority": 3}, "ip:2001:db8::/64", b"Subject: hi\r\n", "héllo".encode(),
+    )  # fmt: skip
+
+
+def test_batch_is_one_transaction_one_notify_few_round_trips(
+    conf: Path, dsn: str, admin_dsn: str, conn: Conn
+) -> None:
+    listener = psycopg.connect(dsn, autocommit=True)
+    listener.execute("LISTEN workqueue")
+    dbname = str(conninfo.conninfo_to_dict(dsn)["dbname"])
+    conn.close()
+    listener_pid = listener.info.backend_pid
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+
+        def settled() -> int:
+            admin.execute("SELECT pg_stat_clear_snapshot()")
+            row = admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND pid <> %s",
+                (dbname, listener_pid),
+            ).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        def xacts() -> int:
+            wait_until(lambda: settled() == 0, what="publisher backends to exit")
+            admin.execute("SELECT pg_stat_clear_snapshot()")
+            row = admin.execute(
+                "SELECT xact_commit FROM pg_stat_database WHERE datname = %s", (dbname,)
+            ).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        config = load_config(conf)
+        before = xacts()
+        Publisher(config, dsn).close()
+        baseline = xacts() - before
+        before = xacts()
+        with Publisher(config, dsn) as publisher:
+            ids = publisher.publish_many(
+                OutgoingMessage("inbound", b"x" * 1024, message_id=f"b{i}") for i in range(1000)
+            )
+        used = xacts() - before - baseline
+    assert len(set(ids)) == 1000
+    assert ids == sorted(ids)  # FIFO order is the order given
+    assert used == 1  # the whole batch: one statement, one transaction
+    notes = list(listener.notifies(timeout=1))
+    listener.close()
+    assert [n.channel for n in notes] == ["workqueue"]
+
+
+def test_outbox_message_exists_iff_the_callers_transaction_commits(
+    pub: Publisher, dsn: str
+) -> None:
+    listener = psycopg.connect(dsn, autocommit=True)
+    listener.execute("LISTEN workqueue")
+    with psycopg.connect(dsn) as caller:
+        caller.execute("CREATE TABLE orders (id int)")
+        caller.commit()
+        with caller.transaction():
+            caller.execute("INSERT INTO orders VALUES (1)")
+            kept = pub.publish("inbound", b"kept", connection=caller)
+            # not visible, not notified before the commit
+            with psycopg.connect(dsn, autocommit=True) as other:
+                assert count(other, "workqueue_id = %s", kept) == 0
+            assert list(listener.notifies(timeout=0.2)) == []
+        assert len(list(listener.notifies(timeout=1))) == 1
+        lost = 0
+        try:
+            with caller.transaction():
+                caller.execute("INSERT INTO orders VALUES (2)")
+                lost = pub.publish("inbound", b"lost", connection=caller)
+                raise RuntimeError("the caller's work failed")
+        except RuntimeError:
+            pass
+        assert list(listener.notifies(timeout=0.2)) == []
+    listener.close()
+    with psycopg.connect(dsn, autocommit=True) as check:
+        assert count(check, "workqueue_id = %s", kept) == 1
+        assert count(check, "workqueue_id = %s", lost) == 0
+        assert check.execute("SELECT array_agg(id) FROM orders").fetchone() == ([1],)
+
+
+def test_dedup_returns_the_original_even_after_it_finished(pub: Publisher, conn: Conn) -> None:
+    first = pub.publish("inbound", b"1", message_id="order-7", dedup=True)
+    assert pub.publish("inbound", b"2", message_id="order-7", dedup=True) == first
+    assert count(conn) == 1
+    conn.execute("DELETE FROM pepsi.workqueue")  # the message finished
+    assert pub.publish("inbound", b"3", message_id="order-7", dedup=True) == first
+    assert count(conn) == 0
+    # duplicates inside one batch collapse onto one message
+    msg = OutgoingMessage("inbound", b"x", message_id="order-8", dedup=True)
+    a, b = pub.publish_many([msg, msg])
+    assert a == b
+    assert count(conn) == 1
+    # without dedup the same message id is just metadata
+    pub.publish("inbound", b"x", message_id="order-8")
+    assert count(conn) == 2
+    # past the window the id is free again, and the sweep forgets old entries
+    conn.execute("UPDATE pepsi.publish_dedup SET published = now() - interval '2 hours'")
+    again = pub.publish("inbound", b"4", message_id="order-7", dedup=True)
+    assert again != first
+    row = conn.execute("SELECT pepsi.publish_dedup_sweep(3600)").fetchone()
+    assert row == (1,)  # order-8's entry is older than the window; order-7's was renewed
+
+
+def test_concurrent_dedup_publishes_one_message(conf: Path, dsn: str, conn: Conn) -> None:
+    results: list[int] = []
+    config = load_config(conf)
+
+    def publish() -> None:
+        with Publisher(config, dsn) as publisher:
+            results.append(publisher.publish("inbound", b"x", message_id="same", dedup=True))
+
+    threads = [threading.Thread(target=publish) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(results) == 6
+    assert len(set(results)) == 1
+    assert count(conn) == 1
+
+
+def test_no_route(pub: Publisher, conn: Conn) -> None:
+    with pytest.raises(NoRoute, match="no stage named 'nowhere'"):
+        pub.publish("nowhere", b"x")
+    with pytest.raises(NoRoute):
+        pub.publish_many([OutgoingMessage("inbound"), OutgoingMessage("nowhere")])
+    assert count(conn) == 0
+    # a stage added through the database overlay is a route
+    conn.execute(
+        "INSERT INTO pepsi.config_override VALUES ('stage-added', 'HANDLER', 'tests.stages:noop')"
+    )
+    assert pub.publish("added", b"x") > 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"sender": "not an address"}, "sender is not an address"),
+        ({"sender": b"\xff@x.org"}, "sender is not UTF-8"),
+        ({"recipients": ["ok@x.org", "bad"]}, "recipient is not an address"),
+        ({"recipients": "a@x.org"}, "recipients must be a list"),
+        ({"peer": "300.1.1.1"}, "peer is not an IP address"),
+        ({"body": b"x" * 5000}, "over the limit of 4096"),
+        ({"headers": {"x": object()}}, "headers are not JSON"),
+        ({"dedup": True}, "dedup=True needs a message_id"),
+        ({"expires": datetime(2030, 1, 1)}, "timezone-aware"),
+        ({"expires": -5}, "seconds > 0"),
+        ({"subject": "a\x00b"}, "NUL"),
+        ({"body": 42}, "body must be bytes or str"),
+    ],
+)
+def test_invalid_input_is_refused_before_anything_is_written(
+    pub: Publisher, conn: Conn, fields: dict[str, Any], problem: str
+) -> None:
+    body = fields.pop("body", b"ok")
+    with pytest.raises(InvalidMessage, match=problem):
+        pub.publish_many(
+            [OutgoingMessage("inbound", b"fine"), OutgoingMessage("inbound", body, **fields)]
+        )
+    assert count(conn) == 0
+
+
+def test_unknown_keyword_is_a_clear_error(pub: Publisher) -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument 'recipient'"):
+        pub.publish("inbound", b"x", recipient="a@b.c")
+
+
+def test_max_length_reject_publish(pub: Publisher, conn: Conn) -> None:
+    pub.publish_many([OutgoingMessage("small")] * 4)
+    with pytest.raises(Rejected, match="stage small is full") as info:
+        pub.publish_many([OutgoingMessage("small")] * 2)  # the whole batch is refused
+    assert info.value.stage == "small"
+    assert count(conn, "stage = 'small'") == 4
+    pub.publish("small")
+    assert count(conn, "stage = 'small'") == 5
+    with pytest.raises(Rejected):
+        pub.publish("small")
+    # rows being worked on do not count: only what waits
+    conn.execute("UPDATE pepsi.workqueue SET status = 'running' WHERE stage = 'small'")
+    pub.publish("small")
+
+
+def test_max_length_is_exact_under_concurrent_publishers(conf: Path, dsn: str, conn: Conn) -> None:
+    outcomes: list[str] = []
+    config = load_config(conf)
+
+    def publish() -> None:
+        with Publisher(config, dsn) as publisher:
+            for _ in range(4):
+                try:
+                    publisher.publish("small")
+                    outcomes.append("ok")
+                except Rejected:
+                    outcomes.append("rejected")
+
+    threads = [threading.Thread(target=publish) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sorted(outcomes) == ["ok"] * 5 + ["rejected"] * 11
+    assert count(conn, "stage = 'small'") == 5
+
+
+def test_drop_head_dead_letters_the_oldest(pub: Publisher, conn: Conn) -> None:
+    ids = pub.publish_many([OutgoingMessage("dropping", str(i)) for i in range(7)])
+    rows = conn.execute(
+        "SELECT workqueue_id, stage, status::text, state->>'dead_letter_reason'"
+        " FROM pepsi.workqueue ORDER BY workqueue_id"
+    ).fetchall()
+    assert [r[1] for r in rows] == ["dlq", "dlq"] + ["dropping"] * 5
+    assert [r[0] for r in rows[:2]] == ids[:2]
+    assert {r[3] for r in rows[:2]} == {"overflow"}
+    assert {r[2] for r in rows} == {"pending"}
+    pub.publish_many([OutgoingMessage("dropping-nowhere")] * 3)
+    failed = conn.execute(
+        "SELECT status::text, state->>'failure_class' FROM pepsi.workqueue"
+        " WHERE stage = 'dropping-nowhere' ORDER BY workqueue_id"
+    ).fetchall()
+    assert failed == [("failed", "overflow"), ("pending", None), ("pending", None)]
+
+
+def test_ttl_and_per_message_expiry_are_dead_lettered_by_the_sweep(
+    pub: Publisher, conn: Conn
+) -> None:
+    old, fresh = pub.publish_many([OutgoingMessage("short", "old"), OutgoingMessage("short")])
+    conn.execute(
+        "UPDATE pepsi.workqueue SET arrived = now() - interval '2 hours' WHERE workqueue_id = %s",
+        (old,),
+    )
+    soon = pub.publish("inbound", b"x", expires=0.001)
+    later = pub.publish("inbound", b"x", expires=3600)
+    config = pub.config
+    stages = list(config.stages.values())
+    row = conn.execute(
+        "SELECT pepsi.workqueue_expire(%s, %s, %s)",
+        ([s.name for s in stages], [s.ttl for s in stages], [s.bounce_stage for s in stages]),
+    ).fetchone()
+    assert row == (2,)
+    state = {
+        int(w): (str(s), str(st), r)
+        for w, s, st, r in conn.execute(
+            "SELECT workqueue_id, stage, status::text, state->>'dead_letter_reason'"
+            " FROM pepsi.workqueue"
+        ).fetchall()
+    }
+    assert state[old] == ("dlq", "pending", "expired")
+    assert state[fresh] == ("short", "pending", None)
+    assert state[soon] == ("inbound", "failed", "expired")  # inbound has no bounce stage
+    assert state[later] == ("inbound", "pending", None)
+
+
+def test_async_publisher_and_pipeline(conf: Path, dsn: str, conn: Conn) -> None:
+    async def scenario() -> tuple[int, list[int], int]:
+        async with await AsyncPublisher.connect(load_config(conf), dsn) as pub:
+            single = await pub.publish("inbound", b"one")
+            caller = await psycopg.AsyncConnection.connect(dsn)
+            async with caller, caller.transaction():
+                await pub.publish("inbound", b"outbox", connection=caller)
+            peak = 0
+            async with pub.pipeline(max_outstanding=10, max_batch=4) as pipe:
+                futures = []
+                for i in range(200):
+                    futures.append(await pipe.submit(OutgoingMessage("inbound", str(i))))
+                    peak = max(peak, len(pipe.outstanding))
+                ids = list(await asyncio.gather(*futures))
+            with pytest.raises(NoRoute):
+                async with pub.pipeline() as pipe:
+                    await pipe.submit(OutgoingMessage("nowhere"))
+            return single, ids, peak
+
+    single, ids, peak = asyncio.run(scenario())
+    assert single > 0
+    assert len(set(ids)) == 200
+    assert peak <= 10
+    assert count(conn) == 202
+
+
+def test_killed_producer_leaves_only_whole_confirmed_batches(
+    conf: Path, dsn: str, conn: Conn
+) -> None:
+    rng = random.Random(7)
+    confirmed: list[int] = []
+    first = 0
+    for _ in range(4):
+        with subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "programs" / "batch_producer.py"),
+             str(conf), dsn, str(first)],
+            cwd=REPO, stdout=subprocess.PIPE, text=True,
+        ) as proc:  # fmt: skip
+            assert proc.stdout is not None
+            threading.Timer(rng.uniform(0.5, 1.5), proc.send_signal, [signal.SIGKILL]).start()
+            confirmed += [int(line) for line in proc.stdout]
+            proc.wait()
+        first = (max(confirmed) + 1000) if confirmed else 1000 * (_ + 1)
+    per_batch = dict(
+        conn.execute(
+            "SELECT (properties->>'batch')::int, count(*) FROM pepsi.workqueue GROUP BY 1"
+        ).fetchall()
+    )
+    assert confirmed, "the producer confirmed nothing before it was killed"
+    assert all(per_batch.get(b) == 50 for b in confirmed)  # every confirmed batch, whole
+    assert set(per_batch.values()) == {50}  # and no partial batch anywhere
