@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import os
 import time
-from functools import cache
 from typing import Any
 
 import psycopg
 
 from pepsi import Message, PermanentError, stage
 
+_connection: list[psycopg.Connection[Any]] = []
 
-@cache
+
 def _effects_connection() -> psycopg.Connection[Any]:
-    return psycopg.connect(os.environ["PEPSI_DSN"], autocommit=True)
+    """One connection per worker process, opened again after the database restarted."""
+    if not _connection or _connection[0].broken or _connection[0].closed:
+        _connection[:] = [psycopg.connect(os.environ["PEPSI_DSN"], autocommit=True)]
+    return _connection[0]
 
 
 def _effect(msg: Message) -> None:
@@ -84,3 +87,33 @@ def bad_state(msg: Message) -> None:
 @stage(needs="header")
 def header_only(msg: Message) -> None:
     msg.state["header"] = (msg.header or b"").decode()
+
+
+@stage()
+def faulty(msg: Message) -> None:
+    """Does what the message's `fault` property says, then records its effect.
+
+    crash: os._exit; hang: sleep an hour; host: raise a host failure (only
+    the first `times` deliveries when `times` is set); permanent: raise
+    PermanentError. Without a fault it just records its effect.
+    """
+    fault = msg.properties.get("fault")
+    times = msg.properties.get("times")
+    if fault == "crash" and (times is None or msg.state.get("strikes", 0) < times):
+        os._exit(3)
+    if fault == "hang":
+        time.sleep(3600)
+    if fault == "host" and (times is None or msg.state.get("temporary_failures", 0) < times):
+        raise ConnectionError("upstream service unavailable")
+    if fault == "permanent":
+        raise PermanentError("malformed input")
+    if fault == "slow":
+        time.sleep(float(msg.properties.get("sleep", 0.1)))
+    _effect(msg)
+
+
+# The same, in a stage that reads the header block: one message at a time, so
+# a crash never re-runs the messages before it (no batch shares its outcome).
+@stage(needs="header")
+def faulty_serial(msg: Message) -> None:
+    faulty(msg)

@@ -167,5 +167,14 @@ main_setup = _alias("setup")
 main_config = _alias("config")
 main_dispatch = _alias("dispatch")
 main_ingress = _alias("ingress")
+main_failure_bouncer = _alias("failure-bouncer")
 
-__all__ = ["EX_OK", "main", "main_config", "main_dispatch", "main_ingress", "main_setup"]
+__all__ = [
+    "EX_OK",
+    "main",
+    "main_config",
+    "main_dispatch",
+    "main_failure_bouncer",
+    "main_ingress",
+    "main_setup",
+]

@@ -6,6 +6,7 @@ Layout of the file (see docs/configuration.md for every key):
     [pepsi-dispatch]    the dispatcher
     [pepsi-postgres]    the database (embedded by default)
     [pepsi-ingress]     publishing: deduplication window, message size limit
+    [pepsi-failure-bouncer]  where failed messages without a BOUNCE_STAGE go
     [stage-NAME]        one per stage
 
 Parsing is pure: `parse_config` takes the raw sections (from the file and,
@@ -58,6 +59,11 @@ class DispatchOptions:
     fair_half_life: float = 60.0
     fair_fifo_percent: int = 10
     worker_idle_timeout: float = 5.0
+    # Failure handling (W-4…W-7); the manual's timings, shortened only in tests.
+    strike_delay: float = 60.0  # first strike pause; the second is twice as long
+    db_error_pause: float = 30.0  # status 74: how long the message pauses
+    tempfail_window: float = 300.0  # status 75: how long a halved cap lasts
+    start_cooldown: float = 5.0  # a stage's rest after a worker died before ready
 
 
 def default_data_dir() -> Path:
@@ -86,6 +92,12 @@ class IngressOptions:
 
 
 @dataclass(frozen=True)
+class BouncerOptions:
+    sink: str | None = None  # a stage name; None: the table pepsi.dead_letter
+    interval: float = 30.0
+
+
+@dataclass(frozen=True)
 class StageConfig:
     name: str
     program: str | None = None
@@ -96,6 +108,8 @@ class StageConfig:
     max_messages: int = 1000
     max_runtime: float = 300.0
     max_lifetime: float = 120 * 3600.0
+    retry_delay: float = 60.0  # first host-failure retry; doubles each time
+    retry_max_delay: float = 3600.0
     bounce_stage: str | None = None
     fusion: bool | None = None  # None: the stage's own default
     max_length: int | None = None
@@ -115,6 +129,7 @@ class Config:
     dispatch: DispatchOptions = field(default_factory=DispatchOptions)
     postgres: PostgresOptions = field(default_factory=PostgresOptions)
     ingress: IngressOptions = field(default_factory=IngressOptions)
+    bouncer: BouncerOptions = field(default_factory=BouncerOptions)
     stages: Mapping[str, StageConfig] = field(default_factory=lambda: MappingProxyType({}))
     warnings: tuple[str, ...] = ()
 
@@ -255,7 +270,7 @@ def _size(low: int, high: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         match = _SIZE.fullmatch(text.strip())
         if match is None:
-            raise ValueError(f"expected a size such as 512K, 64M or 1G, got {text!r}")
+            raise ValueError(f"expected a size such as 512K or 64M, got {text!r}")
         unit = (match.group(2) or "").lower()[:1]
         value = int(match.group(1)) * _SIZE_UNITS[unit]
         if not low <= value <= high:
@@ -320,6 +335,10 @@ DISPATCH_KEYS: Spec = {
     "FAIR_HALF_LIFE": ("fair_half_life", _duration(1.0)),
     "FAIR_FIFO_PERCENT": ("fair_fifo_percent", _int(0, 100)),
     "WORKER_IDLE_TIMEOUT": ("worker_idle_timeout", _duration()),
+    "STRIKE_DELAY": ("strike_delay", _duration()),
+    "DB_ERROR_PAUSE": ("db_error_pause", _duration()),
+    "TEMPFAIL_WINDOW": ("tempfail_window", _duration()),
+    "START_COOLDOWN": ("start_cooldown", _duration()),
 }
 POSTGRES_KEYS: Spec = {
     "DSN": ("dsn", _text),
@@ -333,6 +352,19 @@ INGRESS_KEYS: Spec = {
     "DEDUP_WINDOW": ("dedup_window", _duration(1.0)),
     "MAX_MESSAGE_SIZE": ("max_message_size", _size(1024, 512 * MIB)),
 }
+
+
+def _sink(text: str) -> str | None:
+    value = text.strip()
+    if value.lower() == "table":
+        return None
+    return _stage_ref(value)
+
+
+BOUNCER_KEYS: Spec = {
+    "SINK": ("sink", _sink),
+    "INTERVAL": ("interval", _duration(0.1)),
+}
 STAGE_KEYS: Spec = {
     "PROGRAM": ("program", _program),
     "HANDLER": ("handler", _handler),
@@ -342,6 +374,8 @@ STAGE_KEYS: Spec = {
     "MAX_MESSAGES": ("max_messages", _int(1)),
     "MAX_RUNTIME": ("max_runtime", _duration()),
     "MAX_LIFETIME": ("max_lifetime", _duration()),
+    "RETRY_DELAY": ("retry_delay", _duration()),
+    "RETRY_MAX_DELAY": ("retry_max_delay", _duration()),
     "BOUNCE_STAGE": ("bounce_stage", _stage_ref),
     "FUSION": ("fusion", _bool),
     "MAX_LENGTH": ("max_length", _int(1)),
@@ -353,6 +387,7 @@ SECTIONS: Mapping[str, Spec] = {
     "pepsi-dispatch": DISPATCH_KEYS,
     "pepsi-postgres": POSTGRES_KEYS,
     "pepsi-ingress": INGRESS_KEYS,
+    "pepsi-failure-bouncer": BOUNCER_KEYS,
 }
 
 
@@ -397,7 +432,7 @@ def parse_config(raw: RawSections, path: Path | None = None) -> Config:
             origin = next(iter(keys.values())).origin if keys else file
             raise ConfigError(
                 "unknown section (expected [pepsi], [pepsi-dispatch], [pepsi-postgres], "
-                "[pepsi-ingress] or [stage-NAME])",
+                "[pepsi-ingress], [pepsi-failure-bouncer] or [stage-NAME])",
                 file=origin,
                 section=section,
             )
@@ -424,12 +459,21 @@ def parse_config(raw: RawSections, path: Path | None = None) -> Config:
             key="CONFIG_FILE",
         )
     warnings = validate_graph(stages, raw)
+    bouncer = BouncerOptions(**parsed.get("pepsi-failure-bouncer", {}))
+    if bouncer.sink is not None and bouncer.sink not in stages:
+        raise ConfigError(
+            f"no stage named {bouncer.sink!r} (or SINK = table)",
+            file=_origin(raw.get("pepsi-failure-bouncer", {}), "SINK", file),
+            section="pepsi-failure-bouncer",
+            key="SINK",
+        )
     return Config(
         path=path,
         pepsi=PepsiOptions(**parsed.get("pepsi", {})),
         dispatch=dispatch,
         postgres=postgres,
         ingress=IngressOptions(**parsed.get("pepsi-ingress", {})),
+        bouncer=bouncer,
         stages=MappingProxyType(stages),
         warnings=tuple(warnings),
     )

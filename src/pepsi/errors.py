@@ -62,3 +62,33 @@ class SchemaMismatch(PepsiError):
     """The database schema is missing or not the one this build expects."""
 
     exit_code = EX_CONFIG
+
+
+_LOST_STATES = frozenset({"57P01", "57P02", "57P03"})  # admin/crash shutdown, cannot connect now
+_EXHAUSTED_HINTS = ("too many clients", "too many connections", "connection slots are reserved")
+
+
+def database_exit_code(exc: BaseException) -> int | None:
+    """The one place database errors are classified (DESIGN.md §4).
+
+    EX_IOERR (74) for a lost connection (SQLSTATE class 08, 57P01 to 57P03, an
+    I/O or TLS failure without a server answer), EX_TEMPFAIL (75) when the
+    connection limit is exhausted (53300, a pool acquire timeout), None for
+    anything else: that is the stage's host failure, not the database's.
+    """
+    import psycopg  # noqa: PLC0415  # errors.py stays importable without the driver
+    from psycopg_pool import PoolTimeout  # noqa: PLC0415
+
+    if isinstance(exc, PoolTimeout):
+        return EX_TEMPFAIL
+    if not isinstance(exc, psycopg.Error):
+        return None
+    code = exc.sqlstate
+    text = str(exc).lower()
+    if code == "53300" or any(hint in text for hint in _EXHAUSTED_HINTS):
+        return EX_TEMPFAIL
+    if code is not None and (code.startswith("08") or code in _LOST_STATES):
+        return EX_IOERR
+    if code is None and isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        return EX_IOERR
+    return None

@@ -18,9 +18,9 @@ RETRY_CAP = 3600.0
 ERROR_LIMIT = 2000  # characters of an error kept in state.last_error
 
 
-def retry_delay(failures: int) -> float:
+def retry_delay(failures: int, first: float = RETRY_FIRST, cap: float = RETRY_CAP) -> float:
     """Seconds before retry number `failures` (1 → 1 min, 2 → 2 min, … ≤ 1 h)."""
-    return min(RETRY_CAP, RETRY_FIRST * 2.0 ** max(0, min(failures - 1, 16)))
+    return min(cap, first * 2.0 ** max(0, min(failures - 1, 30)))
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ def on_host_failure(
     now: datetime,
     max_lifetime: float,
     bounce_stage: str | None,
+    first_delay: float = RETRY_FIRST,
+    max_delay: float = RETRY_CAP,
 ) -> Decision:
     failures = int(state.get("temporary_failures", 0)) + 1
     new_state = {**state, "last_error": _error_text(error), "temporary_failures": failures}
@@ -64,5 +66,5 @@ def on_host_failure(
         if bounce_stage is not None:
             return Decision("pending", bounce_stage, new_state, failure_class="retries-exhausted")
         return Decision("failed", stage, new_state, failure_class="retries-exhausted")
-    until = now + timedelta(seconds=retry_delay(failures))
+    until = now + timedelta(seconds=retry_delay(failures, first_delay, max_delay))
     return Decision("paused", stage, new_state, timeout=until)

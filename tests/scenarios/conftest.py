@@ -56,18 +56,29 @@ class Pipeline:
         self.conf = tmp / "pepsi.conf"
         self.dispatchers: list[Dispatcher] = []
         self.publisher: Publisher | None = None
+        self.extra_env: dict[str, str] = {}
         self.db = psycopg.connect(dsn, autocommit=True)
         self.db.execute(
             "CREATE TABLE test_effects (workqueue_id bigint, stage text, pid int,"
             " at timestamptz DEFAULT clock_timestamp())"
         )
 
-    def configure(self, text: str) -> None:
-        base = "[pepsi-dispatch]\nPOLL_INTERVAL = 1s\nWORKER_IDLE_TIMEOUT = 1s\n"
+    def configure(self, text: str, **dispatch: str) -> None:
+        """Write pepsi.conf: short timings so faults resolve within a test."""
+        options = {
+            "POLL_INTERVAL": "1s",
+            "WORKER_IDLE_TIMEOUT": "1s",
+            "STRIKE_DELAY": "300ms",
+            "DB_ERROR_PAUSE": "1s",
+            "START_COOLDOWN": "500ms",
+            "TEMPFAIL_WINDOW": "3s",
+            **dispatch,
+        }
+        base = "[pepsi-dispatch]\n" + "".join(f"{k} = {v}\n" for k, v in options.items())
         self.conf.write_text(base + text if "[pepsi-dispatch]" not in text else text)
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "PEPSI_DSN": self.dsn, "PYTHONPATH": str(REPO)}
+        return {**os.environ, "PEPSI_DSN": self.dsn, "PYTHONPATH": str(REPO), **self.extra_env}
 
     def start(self, *extra: str) -> Dispatcher:
         log = self.tmp / f"dispatch-{len(self.dispatchers)}.log"
@@ -106,6 +117,29 @@ class Pipeline:
     def scalar(self, sql: str, *params: Any) -> Any:
         row = self.db.execute(sql, params).fetchone()
         return None if row is None else row[0]
+
+    def row(self, wid: int) -> tuple[str, str, dict[str, Any]] | None:
+        """(stage, status, state) of a message, or None once it finished."""
+        found = self.db.execute(
+            "SELECT stage, status::text, state FROM pepsi.workqueue WHERE workqueue_id = %s",
+            (wid,),
+        ).fetchone()
+        return None if found is None else (str(found[0]), str(found[1]), dict(found[2]))
+
+    def effects(self) -> dict[tuple[int, str], int]:
+        rows = self.db.execute(
+            "SELECT workqueue_id, stage, count(*) FROM test_effects GROUP BY 1, 2"
+        ).fetchall()
+        return {(int(w), str(s)): int(n) for w, s, n in rows}
+
+    def settled(self) -> bool:
+        """Nothing pending, running or paused: every message finished or ended."""
+        return (
+            self.scalar(
+                "SELECT count(*) FROM pepsi.workqueue WHERE status IN ('pending', 'running', 'paused')"
+            )
+            == 0
+        )
 
     def remaining(self) -> int:
         return int(self.scalar("SELECT count(*) FROM pepsi.workqueue"))

@@ -189,6 +189,7 @@ def test_unreadable_status_tears_the_worker_down(pipeline: Pipeline, tmp_path: P
     wait_until(lambda: pipeline.remaining() == 0, timeout=30, what="the queue to drain")
     assert marker.exists()
     assert "unreadable status line" in dispatcher.log
+    assert "strike 1" in dispatcher.log  # the head message was charged, the rest requeued
     assert dispatcher.stop() == 0
 
 

@@ -9,6 +9,7 @@ import argparse
 from collections.abc import Callable
 
 from pepsi.commands import (
+    bouncer_cmd,
     config_cmd,
     db_cmd,
     dispatch_cmd,
@@ -25,5 +26,6 @@ COMMANDS: tuple[Register, ...] = (
     db_cmd.register,
     dispatch_cmd.register,
     ingress_cmd.register,
+    bouncer_cmd.register,
     worker_cmd.register,
 )

@@ -75,6 +75,11 @@ class EmbeddedServer:
             if not quiet.handlers and quiet.level == logging.NOTSET:
                 quiet.setLevel(logging.WARNING)
             server = module.get_server(self.data_dir, cleanup_mode=None)
+            if not self.status().running:
+                # The wheel caches one handle per data directory: after a stop
+                # in this process, that handle must start the server again.
+                with server._lock:
+                    server.ensure_postgres_running()
             admin_uri: str = server.get_uri("postgres")
             uri: str = server.get_uri(DATABASE)
         except (OSError, subprocess.SubprocessError, AssertionError) as exc:

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,15 +28,15 @@ from pepsi.config import Config, StageConfig
 from pepsi.db import schema
 from pepsi.db.connect import one_line
 from pepsi.db.queries import query
-from pepsi.dispatch import pools
+from pepsi.dispatch import backpressure, pools
+from pepsi.dispatch.rows import RowWriter
 from pepsi.dispatch.workers import Exit, WorkerProcess, resolve_program
-from pepsi.errors import EX_CONFIG, EX_OK, DatabaseUnavailable, PepsiError
+from pepsi.errors import EX_CONFIG, EX_IOERR, EX_OK, EX_TEMPFAIL, DatabaseUnavailable, PepsiError
 from pepsi.protocol import StatusLine
 
 log = logging.getLogger("pepsi.dispatch")
 
 LOCK_WAIT = 10.0  # seconds a second dispatcher waits for the singleton lock (P-1)
-COOLDOWN = 5.0  # seconds a stage rests after a worker died before ready (W-7)
 STOP_WAIT = 10.0  # seconds a worker asked to finish may take before it is killed
 RECONNECT_MAX = 30.0
 READY_TIMEOUT = 60.0  # seconds a new worker may take to print `ready`
@@ -58,6 +58,9 @@ class StagePool:
     config: StageConfig
     workers: dict[int, WorkerProcess] = field(default_factory=dict)
     cooldown_until: float = 0.0
+    # Claimed ids whose worker died with several of them in flight: which one
+    # killed it is unknown, so each runs alone on an empty worker (W-6).
+    isolate: deque[int] = field(default_factory=deque)
 
     def loads(self) -> list[pools.WorkerLoad]:
         """Loads of the workers not already on their way out."""
@@ -70,11 +73,14 @@ class StagePool:
     def _load(self, worker: WorkerProcess) -> pools.WorkerLoad:
         return worker.load(self.config.queue_limit, self.config.max_messages)
 
-    def free(self, now: float) -> int:
+    def limit(self, cap: int | None) -> int:
+        return pools.worker_limit(self.config.parallelism, cap)
+
+    def free(self, now: float, cap: int | None) -> int:
         if now < self.cooldown_until:
             return 0
-        limit = pools.worker_limit(self.config.parallelism)
-        return pools.free_capacity(self.all_loads(), limit, self.config.queue_limit)
+        free = pools.free_capacity(self.all_loads(), self.limit(cap), self.config.queue_limit)
+        return max(0, free - len(self.isolate))
 
 
 class Dispatcher:
@@ -84,7 +90,8 @@ class Dispatcher:
         self.pools = {name: StagePool(stage) for name, stage in config.stages.items()}
         self.wake = asyncio.Event()
         self.stopping = False
-        self.requeues: dict[str, list[int]] = defaultdict(list)
+        self.rows = RowWriter(config.dispatch)
+        self.caps: dict[str, backpressure.Cap] = {}
         self.exiting: set[WorkerProcess] = set()
         self.conn: AConn | None = None
         self.next_key = 0
@@ -166,7 +173,14 @@ class Dispatcher:
         workers = [w for pool in self.pools.values() for w in pool.workers.values()]
         await asyncio.gather(*(w.terminate() for w in workers), return_exceptions=True)
         await asyncio.gather(*(w.wait_closed() for w in workers), return_exceptions=True)
-        await self._flush_requeues(final=True)
+        for name, pool in self.pools.items():
+            self.rows.requeue(name, pool.isolate)
+            pool.isolate.clear()
+        if self.conn is not None and self.rows:
+            try:
+                await self.rows.flush(self.conn, time.monotonic())
+            except psycopg.OperationalError:
+                log.error("could not requeue in-flight rows; the next start resets them")
 
     # ---- the loop ------------------------------------------------------------
 
@@ -176,6 +190,7 @@ class Dispatcher:
                 await self._cycle()
             except psycopg.OperationalError as exc:
                 log.warning("database connection lost: %s", one_line(exc))
+                self.rows.give_up_pauses(time.monotonic())
                 await self._reconnect()
                 continue
             timeout = self._sleep_time()
@@ -185,8 +200,11 @@ class Dispatcher:
 
     async def _cycle(self) -> None:
         now = time.monotonic()
-        self._retire_idle(now)
-        await self._flush_requeues()
+        self._tend_workers(now)
+        if self.rows and self.conn is not None:
+            soonest = await self.rows.flush(self.conn, now)
+            if soonest is not None:
+                self._due_in(soonest)
         if now >= self.next_poll or (self.next_due is not None and now >= self.next_due):
             await self._resume_due()
             await self._expire()
@@ -194,17 +212,20 @@ class Dispatcher:
         if now >= self.next_housekeeping:
             await self._housekeeping()
             self.next_housekeeping = now + self.config.dispatch.stats_interval
+        await self._isolate()
         await self._claim()
 
     def _sleep_time(self) -> float:
         now = time.monotonic()
         deadlines = [self.next_poll]
-        deadlines.extend(
-            w.started_at + READY_TIMEOUT
-            for pool in self.pools.values()
-            for w in pool.workers.values()
-            if not w.ready and not w.stopping
-        )
+        for pool in self.pools.values():
+            for w in pool.workers.values():
+                if w.stopping:
+                    continue
+                if not w.ready:
+                    deadlines.append(w.started_at + READY_TIMEOUT)
+                elif w.inflight and w.head_since is not None:
+                    deadlines.append(w.head_since + pool.config.max_runtime)
         if self.next_due is not None:
             deadlines.append(self.next_due)
         idle_timeout = self.config.dispatch.worker_idle_timeout
@@ -223,7 +244,14 @@ class Dispatcher:
         resumed, next_due_in = int(row[0]), row[1]
         if resumed:
             log.info("resumed %d paused rows", resumed)
-        self.next_due = None if next_due_in is None else time.monotonic() + float(next_due_in)
+        self.next_due = None
+        if next_due_in is not None:
+            self._due_in(float(next_due_in))
+
+    def _due_in(self, seconds: float) -> None:
+        """A paused row falls due in `seconds`: wake then (P-8)."""
+        due = time.monotonic() + max(0.0, seconds)
+        self.next_due = due if self.next_due is None else min(self.next_due, due)
 
     async def _expire(self) -> None:
         """R-10: the TTL sweep, on the poll tick rather than in every claim."""
@@ -261,7 +289,11 @@ class Dispatcher:
     async def _claim(self) -> None:
         assert self.conn is not None
         now = time.monotonic()
-        caps = {name: pool.free(now) for name, pool in self.pools.items()}
+        self.caps = backpressure.active(self.caps, now)
+        caps = {
+            name: pool.free(now, backpressure.limit_for(self.caps, name, now))
+            for name, pool in self.pools.items()
+        }
         caps = {name: cap for name, cap in caps.items() if cap > 0}
         if not caps:
             return
@@ -280,17 +312,39 @@ class Dispatcher:
         for stage, ids in by_stage.items():
             await self._feed(self.pools[stage], ids)
 
+    async def _isolate(self) -> None:
+        """Hand each held suspect, alone, to an empty worker (or a new one)."""
+        now = time.monotonic()
+        for name, pool in self.pools.items():
+            while pool.isolate and now >= pool.cooldown_until:
+                empty = [
+                    w for w in pool.workers.values()
+                    if w.ready and not w.stopping and not w.inflight
+                ]  # fmt: skip
+                wid = pool.isolate[0]
+                if empty:
+                    pool.isolate.popleft()
+                    empty[0].solo = True
+                    empty[0].send([wid])
+                    continue
+                cap = backpressure.limit_for(self.caps, name, now)
+                if pools.startable(pool.all_loads(), pool.limit(cap)):
+                    pool.isolate.popleft()
+                    worker = await self._start_worker(pool, [wid])
+                    if worker is not None:
+                        worker.solo = True
+                break
+
     async def _feed(self, pool: StagePool, ids: list[int]) -> None:
         stage = pool.config
-        plan = pools.assign(
-            ids, pool.all_loads(), pools.worker_limit(stage.parallelism), stage.queue_limit
-        )
+        cap = backpressure.limit_for(self.caps, stage.name, time.monotonic())
+        plan = pools.assign(ids, pool.all_loads(), pool.limit(cap), stage.queue_limit)
         for key, batch in plan.to_existing.items():
             pool.workers[key].send(batch)
         for batch in plan.to_new:
             await self._start_worker(pool, batch)
 
-    async def _start_worker(self, pool: StagePool, ids: Sequence[int]) -> None:
+    async def _start_worker(self, pool: StagePool, ids: Sequence[int]) -> WorkerProcess | None:
         stage = pool.config
         self.next_key += 1
         try:
@@ -298,8 +352,8 @@ class Dispatcher:
         except FileNotFoundError as exc:
             log.error("stage %s: cannot start its worker: %s", stage.name, exc)
             self._cool_down(pool)
-            self.requeues[stage.name].extend(ids)
-            return
+            self.rows.requeue(stage.name, ids)
+            return None
         env = {
             **os.environ,
             "PEPSI_STAGE": stage.name,
@@ -320,10 +374,11 @@ class Dispatcher:
         except OSError as exc:
             log.error("stage %s: cannot start %s: %s", stage.name, argv[0], exc)
             self._cool_down(pool)
-            self.requeues[stage.name].extend(ids)
-            return
+            self.rows.requeue(stage.name, ids)
+            return None
         pool.workers[worker.key] = worker
         log.debug("stage %s: started worker pid %s", stage.name, worker.pid)
+        return worker
 
     def _worker_argv(self, stage: StageConfig) -> list[str]:
         config_file = self.config.dispatch.config_file
@@ -348,58 +403,101 @@ class Dispatcher:
             log.warning(
                 "stage %s: worker pid %s: %s", worker.stage, worker.pid, status.report_error
             )
-        if not status.ok:
+        if status.status == EX_IOERR:  # W-4: the worker lost the database
+            self.rows.pause_db(worker.stage, wid, time.monotonic())
+        elif status.status == EX_TEMPFAIL:  # W-5: connection limit exhausted
+            self.rows.requeue(worker.stage, [wid])
+            self._tempfail(worker.stage)
+        elif not status.ok:
             log.info("stage %s: message %d ended with status %d", worker.stage, wid, status.status)
         self.wake.set()
+
+    def _tempfail(self, stage: str) -> None:
+        now = time.monotonic()
+        running = {name: len(pool.workers) for name, pool in self.pools.items()}
+        parallelism = {name: pool.config.parallelism for name, pool in self.pools.items()}
+        self.caps, halved = backpressure.on_tempfail(
+            self.caps, running, parallelism, now=now,
+            window=self.config.dispatch.tempfail_window,
+        )  # fmt: skip
+        if halved is not None:
+            log.warning(
+                "stage %s: worker out of database connections (75); stage %s limited to %d "
+                "workers for %.0fs", stage, halved, self.caps[halved].workers,
+                self.config.dispatch.tempfail_window,
+            )  # fmt: skip
 
     def _on_exit(self, worker: WorkerProcess, exit_: Exit) -> None:
         pool = self.pools[worker.stage]
         pool.workers.pop(worker.key, None)
-        if exit_.unanswered:
-            self.requeues[worker.stage].extend(exit_.unanswered)
         if exit_.expected:
+            self.rows.requeue(worker.stage, exit_.unanswered)
             log.debug("stage %s: worker pid %s stopped", worker.stage, worker.pid)
         elif not exit_.was_ready:
-            cause = (
-                "refused to run (configuration or schema; see its error above)"
-                if exit_.returncode == EX_CONFIG
-                else exit_.reason
-            )
+            # W-7: it failed its own start; nothing is charged to the messages.
+            self.rows.requeue(worker.stage, exit_.unanswered)
+            cause = exit_.last_words or exit_.reason
+            if exit_.returncode == EX_CONFIG:
+                cause = f"refused to run (exit 78): {cause}"
             log.error(
                 "stage %s: worker pid %s died before ready: %s; %d messages requeued, "
-                "retrying in %ds",
-                worker.stage,
-                worker.pid,
-                cause,
-                len(exit_.unanswered),
-                COOLDOWN,
-            )
+                "retrying in %.0fs", worker.stage, worker.pid, cause, len(exit_.unanswered),
+                self.config.dispatch.start_cooldown,
+            )  # fmt: skip
             self._cool_down(pool)
-        else:
+        elif len(exit_.unanswered) == 1 or (worker.solo and exit_.unanswered):
+            # W-6: the one message it held gets a strike.
+            (head,) = exit_.unanswered[:1]
+            kind = "timed-out" if worker.timed_out else "crashed"
+            if worker.timed_out:
+                self._charge_timeout(worker.stage, head)
+            self.rows.strike(worker.stage, head, kind, f"worker {exit_.reason}")
+            self.rows.requeue(worker.stage, exit_.unanswered[1:])
             log.error(
-                "stage %s: worker pid %s %s with %d messages in flight; requeued",
-                worker.stage,
-                worker.pid,
-                exit_.reason,
-                len(exit_.unanswered),
-            )
+                "stage %s: worker pid %s %s holding message %d",
+                worker.stage, worker.pid, exit_.reason, head,
+            )  # fmt: skip
+        elif exit_.unanswered:
+            # Several ids in flight: a batched worker answers them together, so
+            # the head is not necessarily the culprit. Nobody is charged yet;
+            # each runs alone, and a strike lands where the crash recurs.
+            pool.isolate.extend(exit_.unanswered)
+            log.error(
+                "stage %s: worker pid %s %s holding %d messages; running each alone",
+                worker.stage, worker.pid, exit_.reason, len(exit_.unanswered),
+            )  # fmt: skip
+        else:
+            log.warning("stage %s: worker pid %s %s", worker.stage, worker.pid, exit_.reason)
         self.wake.set()
 
-    def _cool_down(self, pool: StagePool) -> None:
-        pool.cooldown_until = time.monotonic() + COOLDOWN
+    def _charge_timeout(self, stage: str, wid: int) -> None:
+        """Fair scheduling hook: a timed-out message is debited MAX_RUNTIME (P-5)."""
 
-    def _retire_idle(self, now: float) -> None:
-        """Stop idle and spent workers; kill those that never became ready."""
+    def _cool_down(self, pool: StagePool) -> None:
+        pool.cooldown_until = time.monotonic() + self.config.dispatch.start_cooldown
+
+    def _tend_workers(self, now: float) -> None:
+        """Kill hung workers; stop idle, spent and surplus ones (P-6, W-5, W-6, W-7)."""
         idle_timeout = self.config.dispatch.worker_idle_timeout
-        for pool in self.pools.values():
-            for worker in list(pool.workers.values()):
+        for name, pool in self.pools.items():
+            live = [w for w in pool.workers.values() if not w.stopping]
+            for worker in live:
                 if not worker.ready and now - worker.started_at > READY_TIMEOUT:
                     worker.kill(f"not ready after {READY_TIMEOUT:.0f}s")
+                elif (
+                    worker.ready
+                    and worker.inflight
+                    and worker.head_since is not None
+                    and now - worker.head_since > pool.config.max_runtime
+                ):
+                    worker.timed_out = True
+                    worker.kill(f"gave no answer within MAX_RUNTIME ({pool.config.max_runtime:g}s)")
             idle = set(pools.idle_to_stop(pool.loads(), now, idle_timeout))
-            for worker in list(pool.workers.values()):
-                # MAX_MESSAGES handled and pipeline drained: recycle (P-6).
-                drained_retiree = worker.handled >= pool.config.max_messages and not worker.inflight
-                if (worker.key in idle or drained_retiree) and not worker.stopping:
+            surplus = len(live) - pool.limit(backpressure.limit_for(self.caps, name, now))
+            for worker in sorted(live, key=lambda w: len(w.inflight)):
+                spent = worker.handled >= pool.config.max_messages and not worker.inflight
+                if worker.key in idle or spent or surplus > 0:
+                    surplus -= 1
                     worker.close_input()
                     asyncio.get_running_loop().create_task(self._reap(worker))
 
@@ -409,24 +507,6 @@ class Dispatcher:
             await asyncio.wait_for(worker.wait_closed(), STOP_WAIT)
         except TimeoutError:
             worker.kill("did not stop when asked")
-
-    async def _flush_requeues(self, *, final: bool = False) -> None:
-        if not self.requeues or self.conn is None:
-            return
-        pending = dict(self.requeues)
-        self.requeues.clear()
-        try:
-            for stage, ids in pending.items():
-                await self.conn.execute(
-                    query("workqueue_requeue_running"), {"ids": ids, "stage": stage}
-                )
-        except psycopg.OperationalError:
-            for stage, ids in pending.items():
-                self.requeues[stage].extend(ids)
-            if final:
-                log.error("could not requeue in-flight rows; the next start resets them")
-                return
-            raise
 
     # ---- the listener and reconnection ----------------------------------------
 
@@ -456,9 +536,16 @@ class Dispatcher:
         only one that can know which running rows are really in flight.
         """
         assert self.conn is not None
-        held = [
-            wid for pool in self.pools.values() for w in pool.workers.values() for wid in w.inflight
-        ]
+        held = (
+            [
+                wid
+                for pool in self.pools.values()
+                for w in pool.workers.values()
+                for wid in w.inflight
+            ]
+            + self.rows.held()
+            + [wid for pool in self.pools.values() for wid in pool.isolate]
+        )
         cur = await self.conn.execute(query("workqueue_reset_running_except"), {"held": held})
         if cur.rowcount:
             log.warning("reset %d claimed rows no worker holds to pending", cur.rowcount)
@@ -471,6 +558,7 @@ class Dispatcher:
         while not self.stopping:
             try:
                 self.conn = await self._connect_locked(initial=False)
+                await self.rows.flush(self.conn, time.monotonic())
                 await self._reset_orphans()
                 log.info("database connection restored")
                 self.wake.set()

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -36,6 +37,7 @@ class Exit:
     expected: bool  # the dispatcher asked it to stop
     reason: str
     unanswered: tuple[int, ...]  # ids written to it without a status line
+    last_words: str | None = None  # its last line on stderr (why it refused, say)
 
 
 class WorkerProcess:
@@ -60,6 +62,9 @@ class WorkerProcess:
         self.ready = False
         self.handled = 0
         self.stopping = False
+        self.timed_out = False  # killed for exceeding MAX_RUNTIME
+        self.solo = False  # running one isolated suspect: takes nothing else
+        self.last_words: str | None = None
         self.started_at = time.monotonic()
         self.idle_since: float | None = self.started_at
         self.head_since: float | None = None  # when the head id reached the head
@@ -68,6 +73,7 @@ class WorkerProcess:
         self._on_exit = on_exit
         self._proc: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stderr_task: asyncio.Task[None] | None = None
         self._failure: str | None = None
 
     @property
@@ -77,7 +83,7 @@ class WorkerProcess:
     def load(self, queue_limit: int, max_messages: int) -> WorkerLoad:
         room = (
             0
-            if self.stopping
+            if self.stopping or self.solo
             else room_for(len(self.inflight), self.handled, queue_limit, max_messages)
         )
         return WorkerLoad(
@@ -90,11 +96,14 @@ class WorkerProcess:
             *self.argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
             env=self.env,
             start_new_session=True,  # a Ctrl-C to the dispatcher is not the children's
         )
         self.send(ids)
-        self._task = asyncio.get_running_loop().create_task(self._read())
+        loop = asyncio.get_running_loop()
+        self._stderr_task = loop.create_task(self._relay_stderr())
+        self._task = loop.create_task(self._read())
 
     def send(self, ids: Sequence[int]) -> None:
         """Write ids to the child's stdin in one buffer."""
@@ -143,6 +152,17 @@ class WorkerProcess:
         if self._task is not None:
             await asyncio.shield(self._task)
 
+    async def _relay_stderr(self) -> None:
+        """The child's stderr goes to the dispatcher's; its last line is kept."""
+        assert self._proc is not None
+        assert self._proc.stderr is not None
+        while line := await self._proc.stderr.readline():
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
+            text = line.decode("utf-8", "replace").strip()
+            if text:
+                self.last_words = text[:500]
+
     async def _read(self) -> None:
         assert self._proc is not None
         assert self._proc.stdout is not None
@@ -164,6 +184,10 @@ class WorkerProcess:
         except (ValueError, asyncio.LimitOverrunError):
             self.kill("status line too long")
         returncode = await self._proc.wait()
+        if self._stderr_task is not None:
+            # a grandchild may keep stderr open: do not wait for it forever
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(self._stderr_task, 2.0)
         self._finish(returncode)
 
     def _status(self, line: bytes) -> None:
@@ -176,6 +200,7 @@ class WorkerProcess:
         self.head_since = now if self.inflight else None
         if not self.inflight:
             self.idle_since = now
+            self.solo = False
         self._on_status(self, wid, status)
 
     def _finish(self, returncode: int) -> None:
@@ -189,7 +214,14 @@ class WorkerProcess:
         self.inflight.clear()
         self._on_exit(
             self,
-            Exit(returncode, self.ready, self.stopping and not self._failure, reason, unanswered),
+            Exit(
+                returncode,
+                self.ready,
+                self.stopping and not self._failure,
+                reason,
+                unanswered,
+                self.last_words,
+            ),
         )
 
 

@@ -22,6 +22,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from pepsi.config import Config, load_config
 from pepsi.db import connect as db_connect
+from pepsi.db import schema
 from pepsi.db.queries import query
 from pepsi.errors import DatabaseUnavailable
 from pepsi.publishing import batch
@@ -39,6 +40,11 @@ def _message(stage: str, body: Any, fields: dict[str, Any]) -> OutgoingMessage:
         if not isinstance(recipients, str | bytes):
             fields["recipients"] = tuple(recipients)
     return OutgoingMessage(stage, body, **fields)
+
+
+def _require_schema(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        schema.require_current(conn)
 
 
 def _translate(exc: psycopg.Error) -> Exception:
@@ -86,8 +92,13 @@ class Publisher:
             raise DatabaseUnavailable(
                 f"cannot connect to the database ({db_connect.redact(dsn)})"
             ) from None
-        with self.pool.connection() as conn:
-            self._refresh(conn)
+        try:
+            with self.pool.connection() as conn:
+                schema.require_current(conn)  # SchemaMismatch (78), never a traceback
+                self._refresh(conn)
+        except BaseException:
+            self.pool.close()
+            raise
 
     @classmethod
     def connect(cls, config: Config | Path | str | None = None, dsn: str | None = None) -> Self:
@@ -189,12 +200,22 @@ class AsyncPublisher:
             raise DatabaseUnavailable(
                 f"cannot connect to the database ({db_connect.redact(self.dsn)})"
             ) from None
-        async with self.pool.connection() as conn:
-            await self._refresh(conn)
+        try:
+            async with self.pool.connection() as conn:
+                await asyncio.to_thread(_require_schema, self.dsn)
+                await self._refresh(conn)
+        except BaseException:
+            await self.pool.close()
+            raise
 
     @property
     def config(self) -> Config:
         return self.routes.current
+
+    async def refresh(self) -> None:
+        """Re-read the configuration overlay (stages added in the database)."""
+        async with self.pool.connection() as conn:
+            await self._refresh(conn)
 
     async def _refresh(self, conn: AnyAConn) -> None:
         cur = await conn.execute(query("config_override_all"))
@@ -282,6 +303,8 @@ class Pipeline:
         self.outstanding: set[asyncio.Future[int]] = set()
 
     async def submit(self, message: OutgoingMessage) -> asyncio.Future[int]:
+        if message.stage not in self.publisher.config.stages:
+            await self.publisher.refresh()  # a stage added to the overlay since
         batch.build([message], self.publisher.config)  # refuse a bad message now, not later
         await self.slots.acquire()
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()

@@ -99,8 +99,8 @@ def validate(msg: OutgoingMessage, *, max_size: int, now: datetime | None = None
             f"message is {size} bytes, over the limit of {max_size} ([pepsi-ingress] "
             "MAX_MESSAGE_SIZE)"
         )
-    if isinstance(msg.recipients, str | bytes):
-        raise InvalidMessage("recipients must be a list of addresses, not one string")
+    if isinstance(msg.recipients, str | bytes) or msg.recipients is None:
+        raise InvalidMessage("recipients must be a list of addresses")
     recipients = [_address("recipient", r) for r in msg.recipients]
     if len(recipients) > MAX_RECIPIENTS:
         raise InvalidMessage(f"more than {MAX_RECIPIENTS} recipients")

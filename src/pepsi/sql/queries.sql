@@ -124,30 +124,6 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.database = (
   AND l.pid <> pg_backend_pid()
 LIMIT 1;
 
--- name: workqueue_publish
--- Minimal publish: N copies, each with its own body row when there is a body.
-WITH bodies AS (
-    INSERT INTO pepsi.workqueue_body (header, body)
-    SELECT %(header)s, %(body)s
-    FROM generate_series(1, CASE WHEN %(has_body)s THEN %(count)s ELSE 0 END)
-    RETURNING body_id
-), slots AS (
-    SELECT n, (SELECT array_agg(body_id ORDER BY body_id) FROM bodies) AS ids
-    FROM generate_series(1, %(count)s) AS n
-)
-INSERT INTO pepsi.workqueue
-    (stage, message_id, sender, recipients, origin_user, origin_peer, header_from, subject,
-     content_type, correlation_id, properties, body_id)
-SELECT %(stage)s, %(message_id)s, %(sender)s, %(recipients)s, %(origin_user)s,
-       %(origin_peer)s::inet, %(header_from)s, %(subject)s, %(content_type)s,
-       %(correlation_id)s, %(properties)s, slots.ids[slots.n]
-FROM slots
-ORDER BY slots.n
-RETURNING workqueue_id;
-
--- name: workqueue_notify
-NOTIFY workqueue;
-
 -- name: config_override_all
 SELECT section, key, value FROM pepsi.config_override ORDER BY section, key;
 
@@ -158,3 +134,18 @@ SELECT pepsi.workqueue_expire(%(stages)s::text[], %(ttls)s::float8[], %(bounces)
 
 -- name: publish_dedup_sweep
 SELECT pepsi.publish_dedup_sweep(%(window)s, %(max_rows)s);
+
+-- name: workqueue_strike
+-- W-6: the head message of a worker that crashed or hung gets a strike.
+SELECT pepsi.workqueue_strike(%(id)s, %(stage)s, %(kind)s, %(reason)s, %(delays)s::float8[]);
+
+-- name: workqueue_pause_if_running
+-- W-4: a message whose worker lost the database pauses for a while.
+UPDATE pepsi.workqueue
+SET status = 'paused',
+    timeout = now() + make_interval(secs => %(seconds)s),
+    state = state || jsonb_build_object('last_error', %(reason)s::text)
+WHERE workqueue_id = ANY(%(ids)s::bigint[]) AND status = 'running' AND stage = %(stage)s;
+
+-- name: workqueue_bounce_failed
+SELECT pepsi.workqueue_bounce_failed(%(stages)s::text[], %(sink)s, %(max_rows)s);

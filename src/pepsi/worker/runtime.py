@@ -30,8 +30,16 @@ from psycopg.types.json import Jsonb
 from pepsi import policy
 from pepsi.config import Config, StageConfig
 from pepsi.db import schema
+from pepsi.db.connect import one_line
 from pepsi.db.queries import query
-from pepsi.errors import EX_CONFIG, ConfigError
+from pepsi.errors import (
+    EX_CONFIG,
+    EX_IOERR,
+    EX_TEMPFAIL,
+    ConfigError,
+    DatabaseUnavailable,
+    database_exit_code,
+)
 from pepsi.protocol import READY, format_status
 from pepsi.stage import Advance, Finish, Message, Needs, Pause, PermanentError, needs_of
 from pepsi.worker.reader import IdReader
@@ -40,6 +48,12 @@ log = logging.getLogger("pepsi.worker")
 Conn = psycopg.Connection[tuple[Any, ...]]
 StageFunc = Callable[[Message], Any]
 STATUS_FAILED = 1
+
+
+class _DatabaseGone(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
 
 
 class WorkerRefused(ConfigError):
@@ -86,12 +100,20 @@ class Batch:
 class StageRunner:
     """Runs one stage's function over batches of ids on one connection."""
 
-    def __init__(self, config: Config, stage: StageConfig, func: StageFunc, conn: Conn) -> None:
+    def __init__(
+        self,
+        config: Config,
+        stage: StageConfig,
+        func: StageFunc,
+        conn: Conn,
+        reconnect: Callable[[], Conn] | None = None,
+    ) -> None:
         self.config = config
         self.stage = stage
         self.func = func
         self.needs = needs_of(func)
         self.conn = conn
+        self.reconnect = reconnect
         self.stage_log = logging.getLogger(f"pepsi.stage.{stage.name}")
         self.loop: asyncio.AbstractEventLoop | None = None
         if inspect.iscoroutinefunction(func):
@@ -156,7 +178,42 @@ class StageRunner:
         return load
 
     def run_batch(self, ids: list[int]) -> bytes:
-        """Process `ids`; return their status lines, in order, as one buffer."""
+        """Process `ids`; return their status lines, in order, as one buffer.
+
+        If the worker's own connection is lost or cannot be had, every id of
+        the batch is answered 74 (lost) or 75 (connection limit): the
+        dispatcher pauses or requeues them; the stage's outcome, if any, was
+        not recorded and the stage will run again (W-4, W-5).
+        """
+        try:
+            if self.conn.closed or self.conn.broken:
+                self._reopen()
+            return self._run_batch(ids)
+        except _DatabaseGone as gone:
+            return b"".join(format_status(gone.code) for _ in ids)
+        except psycopg.Error as exc:
+            code = database_exit_code(exc)
+            if code is None:
+                raise
+            log.warning(
+                "database unavailable (%s): answering %d for %d messages",
+                one_line(exc),
+                code,
+                len(ids),
+            )
+            return b"".join(format_status(code) for _ in ids)
+
+    def _reopen(self) -> None:
+        if self.reconnect is None:
+            raise _DatabaseGone(EX_IOERR)
+        try:
+            self.conn = self.reconnect()
+        except DatabaseUnavailable as exc:
+            code = exc.exit_code if exc.exit_code in (EX_IOERR, EX_TEMPFAIL) else EX_IOERR
+            log.warning("cannot reconnect (%s): answering %d", exc, code)
+            raise _DatabaseGone(code) from None
+
+    def _run_batch(self, ids: list[int]) -> bytes:
         started = time.perf_counter_ns()
         messages = self.load(ids)
         batch = Batch()
@@ -243,6 +300,8 @@ class StageRunner:
             now=datetime.now(UTC),
             max_lifetime=self.stage.max_lifetime,
             bounce_stage=self.stage.bounce_stage,
+            first_delay=self.stage.retry_delay,
+            max_delay=self.stage.retry_max_delay,
         )
         if decision.status == "paused":
             self.stage_log.warning(
@@ -302,14 +361,17 @@ def run(config: Config, stage_name: str, dsn: str) -> int:
     if config.path is not None:
         sys.path.insert(0, str(config.path.parent))
     func = load_handler(stage)
-    from pepsi.db.connect import connect  # noqa: PLC0415
 
-    conn = connect(dsn, application_name=f"pepsi-worker:{stage_name}")
-    with conn:
-        schema.require_current(conn)
+    def open_connection() -> Conn:
+        conn = connect_worker(dsn, stage_name)
         if not config.postgres.worker_synchronous_commit:
             conn.execute("SET synchronous_commit = off")
-        runner = StageRunner(config, stage, func, conn)
+        return conn
+
+    conn = open_connection()
+    with conn:
+        schema.require_current(conn)
+        runner = StageRunner(config, stage, func, conn, reconnect=open_connection)
         out = sys.stdout.buffer
         out.write(READY + b"\n")
         out.flush()
@@ -320,6 +382,16 @@ def run(config: Config, stage_name: str, dsn: str) -> int:
                 return 0
             out.write(runner.run_batch(ids))
             out.flush()
+
+
+def connect_worker(dsn: str, stage_name: str) -> Conn:
+    """The worker's connection; a refused one says whether to answer 74 or 75."""
+    try:
+        return psycopg.connect(dsn, autocommit=True, application_name=f"pepsi-worker:{stage_name}")
+    except psycopg.Error as exc:
+        error = DatabaseUnavailable(f"cannot connect to the database: {one_line(exc)}")
+        error.exit_code = database_exit_code(exc) or EX_IOERR
+        raise error from None
 
 
 def _file(config: Config) -> str | None:

@@ -54,12 +54,16 @@ DECLARE
 BEGIN
     FOR i IN 1 .. coalesce(array_length(stages, 1), 0) LOOP
         IF ttls[i] IS NOT NULL THEN
-            SELECT array_agg(workqueue_id) INTO ids FROM (
-                SELECT q.workqueue_id FROM pepsi.workqueue q
+            -- Only the head of the stage's pending index: ids grow with
+            -- arrival, so the oldest rows are there, and the cost stays
+            -- bounded whatever the backlog (a row that arrived out of order
+            -- is caught when it reaches the head).
+            SELECT array_agg(s.workqueue_id) INTO ids FROM (
+                SELECT q.workqueue_id, q.arrived FROM pepsi.workqueue q
                 WHERE q.stage = stages[i] AND q.status = 'pending'
-                  AND q.arrived < now() - make_interval(secs => ttls[i])
                 ORDER BY q.stage, q.workqueue_id
-                LIMIT max_rows) s;
+                LIMIT max_rows) s
+            WHERE s.arrived < now() - make_interval(secs => ttls[i]);
             IF ids IS NOT NULL THEN
                 total := total + pepsi.workqueue_dead_letter(ids, bounces[i], 'expired');
             END IF;

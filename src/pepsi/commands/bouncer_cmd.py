@@ -1,0 +1,73 @@
+"""`pepsi failure-bouncer` (alias `pepsi-failure-bouncer`): the dead-letter sink.
+
+Failed and timed-out messages of stages without a BOUNCE_STAGE are moved to
+`[pepsi-failure-bouncer] SINK`: a stage (they become pending there, with
+`state.bounced_from`) or, by default, the table `pepsi.dead_letter`, where
+an operator finds the whole message. Runs every INTERVAL until SIGINT or
+SIGTERM, or once with --once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from typing import TYPE_CHECKING, Any
+
+from pepsi.db import connect, schema
+from pepsi.db.queries import query
+from pepsi.errors import EX_OK
+
+if TYPE_CHECKING:
+    from pepsi.cli import Context
+
+log = logging.getLogger("pepsi.failure-bouncer")
+BATCH = 1000
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "failure-bouncer",
+        help="move failed messages of stages without BOUNCE_STAGE to the dead-letter sink",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--once", action="store_true", help="one pass, then exit")
+    parser.set_defaults(handler=run_bouncer)
+
+
+def bounce_once(conn: Any, stages: list[str], sink: str | None) -> int:
+    """Move everything there is, BATCH at a time; return how many moved."""
+    total = 0
+    while True:
+        row = conn.execute(
+            query("workqueue_bounce_failed"), {"stages": stages, "sink": sink, "max_rows": BATCH}
+        ).fetchone()
+        moved = int(row[0]) if row else 0
+        total += moved
+        if moved < BATCH:
+            return total
+
+
+def run_bouncer(args: argparse.Namespace, ctx: Context) -> int:
+    config = ctx.config()
+    stages = [s.name for s in config.stages.values() if s.bounce_stage is None]
+    sink = config.bouncer.sink
+    where = f"stage {sink}" if sink else "table pepsi.dead_letter"
+    stop = threading.Event()
+    if not args.once:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+    target = connect.resolve(config)
+    with connect.connect(target.dsn, timeout=config.postgres.connect_timeout) as conn:
+        schema.require_current(conn)
+        while True:
+            moved = bounce_once(conn, [s for s in stages if s != sink], sink)
+            if moved:
+                log.warning("moved %d failed messages to %s", moved, where)
+            if args.once:
+                print(f"moved {moved} failed messages to {where}")
+                return EX_OK
+            if stop.wait(config.bouncer.interval):
+                return EX_OK

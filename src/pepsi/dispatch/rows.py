@@ -1,0 +1,138 @@
+"""The dispatcher's own writes to rows, queued by events and flushed by the loop.
+
+Events from workers (a requeue, a status 74, a crash or hang) arrive in
+callbacks; the loop applies them before it claims ("drain internal events
+first", P-4), on its one connection. When the database is away they stay
+queued: requeues and strikes until it returns, 74 pauses for about
+DB_ERROR_PAUSE, after which the row is left running for the reset that
+follows a reconnect or a restart (W-4).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from pepsi.config import DispatchOptions
+from pepsi.db.queries import query
+
+log = logging.getLogger("pepsi.dispatch")
+AConn = psycopg.AsyncConnection[tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
+class Strike:
+    stage: str
+    wid: int
+    kind: str  # crashed | timed-out
+    reason: str
+
+
+@dataclass(frozen=True)
+class DbPause:
+    stage: str
+    wid: int
+    since: float  # monotonic time of the 74
+
+
+@dataclass
+class RowWriter:
+    options: DispatchOptions
+    requeues: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    pauses: list[DbPause] = field(default_factory=list)
+    strikes: list[Strike] = field(default_factory=list)
+
+    def requeue(self, stage: str, ids: Any) -> None:
+        self.requeues[stage].extend(ids)
+
+    def pause_db(self, stage: str, wid: int, now: float) -> None:
+        self.pauses.append(DbPause(stage, wid, now))
+
+    def strike(self, stage: str, wid: int, kind: str, reason: str) -> None:
+        self.strikes.append(Strike(stage, wid, kind, reason))
+
+    def held(self) -> list[int]:
+        """Rows still running that this writer will settle."""
+        return [i for ids in self.requeues.values() for i in ids] + [p.wid for p in self.pauses]
+
+    def __bool__(self) -> bool:
+        return bool(self.requeues or self.pauses or self.strikes)
+
+    async def flush(self, conn: AConn, now: float) -> float | None:
+        """Apply what is queued; return the soonest pause written (seconds), if any."""
+        soonest: float | None = None
+        while self.strikes:
+            strike = self.strikes[0]
+            delays = [self.options.strike_delay, 2 * self.options.strike_delay]
+            row = await (
+                await conn.execute(
+                    query("workqueue_strike"),
+                    {"id": strike.wid, "stage": strike.stage, "kind": strike.kind,
+                     "reason": strike.reason, "delays": delays},
+                )
+            ).fetchone()  # fmt: skip
+            self.strikes.pop(0)
+            n = int(row[0]) if row else 0
+            if n >= 3:
+                log.error(
+                    "stage %s: message %d %s three times: %s",
+                    strike.stage,
+                    strike.wid,
+                    strike.kind,
+                    "failed" if strike.kind == "crashed" else "timeout",
+                )
+            elif n:
+                log.warning(
+                    "stage %s: message %d strike %d (%s); retry in %.0fs",
+                    strike.stage,
+                    strike.wid,
+                    n,
+                    strike.reason,
+                    delays[n - 1],
+                )
+                soonest = min(soonest or delays[n - 1], delays[n - 1])
+        if await self._flush_pauses(conn):
+            pause = self.options.db_error_pause
+            soonest = pause if soonest is None else min(soonest, pause)
+        while self.requeues:
+            stage, ids = next(iter(self.requeues.items()))
+            await conn.execute(query("workqueue_requeue_running"), {"ids": ids, "stage": stage})
+            del self.requeues[stage]
+        return soonest
+
+    async def _flush_pauses(self, conn: AConn) -> bool:
+        wrote = False
+        by_stage: dict[str, list[int]] = defaultdict(list)
+        for pause in self.pauses:
+            by_stage[pause.stage].append(pause.wid)
+        for stage, ids in by_stage.items():
+            seconds = self.options.db_error_pause
+            await conn.execute(
+                query("workqueue_pause_if_running"),
+                {"ids": ids, "stage": stage, "seconds": seconds,
+                 "reason": "database connection lost while processing"},
+            )  # fmt: skip
+            log.warning(
+                "stage %s: %d messages paused %.0fs (database connection lost)",
+                stage,
+                len(ids),
+                seconds,
+            )
+            self.pauses = [p for p in self.pauses if p.stage != stage]
+            wrote = True
+        return wrote
+
+    def give_up_pauses(self, now: float) -> None:
+        """While the database is away: forget 74 pauses older than about DB_ERROR_PAUSE."""
+        expired = [p for p in self.pauses if now - p.since > self.options.db_error_pause]
+        if expired:
+            log.error(
+                "could not pause %d messages while the database was away; they stay "
+                "running until the dispatcher reconnects or restarts",
+                len(expired),
+            )
+            self.pauses = [p for p in self.pauses if p not in expired]
