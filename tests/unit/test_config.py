@@ -160,6 +160,20 @@ TTL = 10m
         ("[pepsi]\nALLOW_FUSION = yes\nALLOW_FUSION = no\n", "[pepsi] ALLOW_FUSION:", "twice"),
         ("[pepsi]\n[pepsi]\n", "[pepsi]", "section appears twice"),
         ("ALLOW_FUSION = yes\n", "line 1", "before any [section]"),
+        (
+            "[pepsi-ingress]\nMAX_MESSAGE_SIZE = 2G\n",
+            "[pepsi-ingress] MAX_MESSAGE_SIZE:",
+            "between",
+        ),
+        ("[pepsi-ingress]\nMAX_MESSAGE_SIZE = lots\n", "MAX_MESSAGE_SIZE:", "a size such as"),
+        ("[pepsi-ingress]\nDEDUP_WINDOW = 0s\n", "[pepsi-ingress] DEDUP_WINDOW:", "at least"),
+        (
+            "[pepsi-failure-bouncer]\nSINK = nowhere\n",
+            "[pepsi-failure-bouncer] SINK:",
+            "no stage named",
+        ),
+        ("[pepsi-dispatch]\nSTRIKE_DELAY = never\n", "[pepsi-dispatch] STRIKE_DELAY:", "duration"),
+        ("[stage-a]\nHANDLER = m:f\nRETRY_DELAY = -1s\n", "[stage-a] RETRY_DELAY:", "duration"),
         ("[pepsi]\nthis line has no equals sign\n", "line 2", "cannot parse"),
     ],
 )
@@ -196,6 +210,24 @@ def test_default_locations_searched_in_order(
     config = load_config()
     assert list(config.stages) == ["y"]
     assert config.path == tmp_path / "pepsi.conf"
+
+
+def test_ingress_and_bouncer_sections(tmp_path: Path) -> None:
+    config = load(
+        tmp_path,
+        "[pepsi-ingress]\nMAX_MESSAGE_SIZE = 512K\nDEDUP_WINDOW = 2h\n"
+        "[pepsi-failure-bouncer]\nSINK = dead\nINTERVAL = 5s\n"
+        "[stage-dead]\nHANDLER = m:f\n",
+    )
+    assert config.ingress.max_message_size == 512 * 1024
+    assert config.ingress.dedup_window == 7200
+    assert (config.bouncer.sink, config.bouncer.interval) == ("dead", 5)
+    assert load(tmp_path, "[pepsi-failure-bouncer]\nSINK = table\n").bouncer.sink is None
+    defaults = load(tmp_path, "")
+    assert defaults.ingress.max_message_size == 64 * 1024 * 1024
+    assert defaults.dispatch.strike_delay == 60
+    assert defaults.dispatch.db_error_pause == 30
+    assert defaults.dispatch.tempfail_window == 300
 
 
 def test_warnings_for_cycles_and_idle_overflow(tmp_path: Path) -> None:
