@@ -28,7 +28,7 @@ from pepsi.config import Config, StageConfig
 from pepsi.db import schema
 from pepsi.db.connect import one_line
 from pepsi.db.queries import query
-from pepsi.dispatch import backpressure, pools
+from pepsi.dispatch import backpressure, fairness, pools
 from pepsi.dispatch.rows import RowWriter
 from pepsi.dispatch.workers import Exit, WorkerProcess, resolve_program
 from pepsi.errors import EX_CONFIG, EX_IOERR, EX_OK, EX_TEMPFAIL, DatabaseUnavailable, PepsiError
@@ -91,6 +91,12 @@ class Dispatcher:
         self.wake = asyncio.Event()
         self.stopping = False
         self.rows = RowWriter(config.dispatch)
+        options = config.dispatch
+        self.fair = (
+            fairness.FairShare(options.fair_half_life, options.fair_fifo_percent, time.monotonic)
+            if options.fair_scheduling
+            else None
+        )
         self.caps: dict[str, backpressure.Cap] = {}
         self.exiting: set[WorkerProcess] = set()
         self.conn: AConn | None = None
@@ -174,7 +180,7 @@ class Dispatcher:
         await asyncio.gather(*(w.terminate() for w in workers), return_exceptions=True)
         await asyncio.gather(*(w.wait_closed() for w in workers), return_exceptions=True)
         for name, pool in self.pools.items():
-            self.rows.requeue(name, pool.isolate)
+            self._requeue(name, list(pool.isolate))
             pool.isolate.clear()
         if self.conn is not None and self.rows:
             try:
@@ -297,17 +303,20 @@ class Dispatcher:
         caps = {name: cap for name, cap in caps.items() if cap > 0}
         if not caps:
             return
-        rows = await (
-            await self.conn.execute(
-                query("workqueue_claim_fifo"),
-                {"stages": list(caps), "caps": list(caps.values())},
-            )
-        ).fetchall()
+        if self.fair is None:
+            rows = await (
+                await self.conn.execute(
+                    query("workqueue_claim_fifo"),
+                    {"stages": list(caps), "caps": list(caps.values())},
+                )
+            ).fetchall()
+        else:
+            rows = await self._claim_fair(caps)
         if not rows:
             return
         self.claimed_total += len(rows)
         by_stage: dict[str, list[int]] = defaultdict(list)
-        for wid, stage in sorted(rows):
+        for wid, stage, *_ in sorted(rows):
             by_stage[stage].append(int(wid))
         for stage, ids in by_stage.items():
             await self._feed(self.pools[stage], ids)
@@ -335,6 +344,30 @@ class Dispatcher:
                         worker.solo = True
                 break
 
+    async def _claim_fair(self, caps: dict[str, int]) -> list[tuple[Any, ...]]:
+        """P-5: one statement; the ledgers are debited for what it claimed."""
+        assert self.conn is not None
+        assert self.fair is not None
+        params = self.fair.claim_params(caps)
+        row = await (
+            await self.conn.execute(query("workqueue_claim_fair"), {**params, "max_senders": 64})
+        ).fetchone()
+        assert row is not None
+        ids, stages, senders, starts = row
+        for stage, start in zip(params["stages"], starts, strict=True):
+            self.fair.window[str(stage)] = str(start)
+        for wid, stage, sender in zip(ids, stages, senders, strict=True):
+            self.fair.ledger(stage).claim(int(wid), str(sender))
+        return list(zip(ids, stages, strict=True))
+
+    def _requeue(self, stage: str, ids: Sequence[int]) -> None:
+        """Back to pending without having run: the sender's debit is refunded."""
+        self.rows.requeue(stage, ids)
+        if self.fair is not None:
+            ledger = self.fair.ledger(stage)
+            for wid in ids:
+                ledger.refund(wid)
+
     async def _feed(self, pool: StagePool, ids: list[int]) -> None:
         stage = pool.config
         cap = backpressure.limit_for(self.caps, stage.name, time.monotonic())
@@ -352,7 +385,7 @@ class Dispatcher:
         except FileNotFoundError as exc:
             log.error("stage %s: cannot start its worker: %s", stage.name, exc)
             self._cool_down(pool)
-            self.rows.requeue(stage.name, ids)
+            self._requeue(stage.name, ids)
             return None
         env = {
             **os.environ,
@@ -374,7 +407,7 @@ class Dispatcher:
         except OSError as exc:
             log.error("stage %s: cannot start %s: %s", stage.name, argv[0], exc)
             self._cool_down(pool)
-            self.rows.requeue(stage.name, ids)
+            self._requeue(stage.name, ids)
             return None
         pool.workers[worker.key] = worker
         log.debug("stage %s: started worker pid %s", stage.name, worker.pid)
@@ -403,10 +436,15 @@ class Dispatcher:
             log.warning(
                 "stage %s: worker pid %s: %s", worker.stage, worker.pid, status.report_error
             )
+        if self.fair is not None:
+            micros = sum(m for _, m in status.report) if status.report else None
+            self.fair.ledger(worker.stage).report(
+                wid, None if micros is None else micros / 1_000_000
+            )
         if status.status == EX_IOERR:  # W-4: the worker lost the database
             self.rows.pause_db(worker.stage, wid, time.monotonic())
         elif status.status == EX_TEMPFAIL:  # W-5: connection limit exhausted
-            self.rows.requeue(worker.stage, [wid])
+            self._requeue(worker.stage, [wid])
             self._tempfail(worker.stage)
         elif not status.ok:
             log.info("stage %s: message %d ended with status %d", worker.stage, wid, status.status)
@@ -431,11 +469,11 @@ class Dispatcher:
         pool = self.pools[worker.stage]
         pool.workers.pop(worker.key, None)
         if exit_.expected:
-            self.rows.requeue(worker.stage, exit_.unanswered)
+            self._requeue(worker.stage, exit_.unanswered)
             log.debug("stage %s: worker pid %s stopped", worker.stage, worker.pid)
         elif not exit_.was_ready:
             # W-7: it failed its own start; nothing is charged to the messages.
-            self.rows.requeue(worker.stage, exit_.unanswered)
+            self._requeue(worker.stage, exit_.unanswered)
             cause = exit_.last_words or exit_.reason
             if exit_.returncode == EX_CONFIG:
                 cause = f"refused to run (exit 78): {cause}"
@@ -445,14 +483,13 @@ class Dispatcher:
                 self.config.dispatch.start_cooldown,
             )  # fmt: skip
             self._cool_down(pool)
-        elif len(exit_.unanswered) == 1 or (worker.solo and exit_.unanswered):
-            # W-6: the one message it held gets a strike.
+        elif exit_.unanswered and (len(exit_.unanswered) == 1 or worker.solo or worker.garbled):
+            # W-6: the message it held (or answered with garbage) gets a strike.
             (head,) = exit_.unanswered[:1]
             kind = "timed-out" if worker.timed_out else "crashed"
-            if worker.timed_out:
-                self._charge_timeout(worker.stage, head)
+            self._charge_timeout(worker.stage, head, timed_out=worker.timed_out)
             self.rows.strike(worker.stage, head, kind, f"worker {exit_.reason}")
-            self.rows.requeue(worker.stage, exit_.unanswered[1:])
+            self._requeue(worker.stage, exit_.unanswered[1:])
             log.error(
                 "stage %s: worker pid %s %s holding message %d",
                 worker.stage, worker.pid, exit_.reason, head,
@@ -470,8 +507,15 @@ class Dispatcher:
             log.warning("stage %s: worker pid %s %s", worker.stage, worker.pid, exit_.reason)
         self.wake.set()
 
-    def _charge_timeout(self, stage: str, wid: int) -> None:
-        """Fair scheduling hook: a timed-out message is debited MAX_RUNTIME (P-5)."""
+    def _charge_timeout(self, stage: str, wid: int, *, timed_out: bool) -> None:
+        """A struck message used its worker: MAX_RUNTIME if it hung, else its debit (P-5)."""
+        if self.fair is None:
+            return
+        ledger = self.fair.ledger(stage)
+        if timed_out:
+            ledger.timed_out(wid, self.pools[stage].config.max_runtime)
+        else:
+            ledger.report(wid, None)
 
     def _cool_down(self, pool: StagePool) -> None:
         pool.cooldown_until = time.monotonic() + self.config.dispatch.start_cooldown

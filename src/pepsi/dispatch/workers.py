@@ -64,6 +64,7 @@ class WorkerProcess:
         self.stopping = False
         self.timed_out = False  # killed for exceeding MAX_RUNTIME
         self.solo = False  # running one isolated suspect: takes nothing else
+        self.garbled = False  # its answer for the head message was unreadable
         self.last_words: str | None = None
         self.started_at = time.monotonic()
         self.idle_since: float | None = self.started_at
@@ -180,6 +181,7 @@ class WorkerProcess:
                     raise ProtocolError(f"expected 'ready', got {line[:80]!r}")
                 self._status(line)
         except ProtocolError as exc:
+            self.garbled = self.ready and bool(self.inflight)
             self.kill(str(exc))
         except (ValueError, asyncio.LimitOverrunError):
             self.kill("status line too long")

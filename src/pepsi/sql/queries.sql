@@ -149,3 +149,11 @@ WHERE workqueue_id = ANY(%(ids)s::bigint[]) AND status = 'running' AND stage = %
 
 -- name: workqueue_bounce_failed
 SELECT pepsi.workqueue_bounce_failed(%(stages)s::text[], %(sink)s, %(max_rows)s);
+
+-- name: workqueue_claim_fair
+-- P-5: the fair claim for all stages at once (see pepsi.workqueue_claim_fair).
+SELECT ids, id_stages, id_senders, next_starts
+FROM pepsi.workqueue_claim_fair(
+    %(stages)s::text[], %(caps)s::integer[], %(fifo)s::integer[], %(averages)s::float8[],
+    %(starts)s::text[], %(lag_stages)s::text[], %(lag_senders)s::text[],
+    %(lag_values)s::float8[], %(max_senders)s);

@@ -507,3 +507,107 @@ BEGIN
     RETURN moved;
 END
 $$;
+
+-- The pending senders of a stage after `after_key` (and up to `upto_key`
+-- when given), by a loose index scan on workqueue_pending_sender_idx: one
+-- index probe per sender, however many rows each has queued.
+CREATE FUNCTION pepsi.workqueue_pending_senders(
+    at_stage text, after_key text, upto_key text, max_senders integer
+) RETURNS TABLE (sender_key text)
+LANGUAGE sql STABLE AS $$
+    WITH RECURSIVE s(k) AS (
+        (SELECT q.sender_key FROM pepsi.workqueue q
+         WHERE q.stage = at_stage AND q.status = 'pending' AND q.sender_key > after_key
+         ORDER BY q.stage, q.sender_key, q.workqueue_id
+         LIMIT 1)
+        UNION ALL
+        SELECT (SELECT q.sender_key FROM pepsi.workqueue q
+                WHERE q.stage = at_stage AND q.status = 'pending' AND q.sender_key > s.k
+                ORDER BY q.stage, q.sender_key, q.workqueue_id
+                LIMIT 1)
+        FROM s
+        WHERE s.k IS NOT NULL AND (upto_key IS NULL OR s.k < upto_key)
+    )
+    SELECT k FROM s
+    WHERE k IS NOT NULL AND (upto_key IS NULL OR k <= upto_key)
+    LIMIT max_senders
+$$;
+
+-- P-4 + P-5: one call claims, for every stage, up to its capacity: first
+-- fifo[i] of its oldest rows whatever the sender, then, among the oldest
+-- caps[i] rows of each of at most max_senders pending senders (a window that
+-- starts after starts[i] and wraps around), the rows ranked lowest by
+-- lag + k × average (k-th oldest row of its sender; ties: oldest first).
+-- Lags come as three parallel arrays (stage, sender, seconds); a sender
+-- without one ranks from 0. Returns the claimed ids with their stage and
+-- sender, and where each stage's sender window starts next time ('' when
+-- the window covered every sender).
+CREATE FUNCTION pepsi.workqueue_claim_fair(
+    stages text[], caps integer[], fifo integer[], averages double precision[],
+    starts text[], lag_stages text[], lag_senders text[], lag_values double precision[],
+    max_senders integer DEFAULT 64,
+    OUT ids bigint[], OUT id_stages text[], OUT id_senders text[], OUT next_starts text[]
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    i integer;
+    picked bigint[] := '{}';
+    senders text[];
+    more text[];
+BEGIN
+    next_starts := '{}';
+    FOR i IN 1 .. coalesce(array_length(stages, 1), 0) LOOP
+        senders := ARRAY(SELECT p.sender_key
+                         FROM pepsi.workqueue_pending_senders(stages[i], starts[i], NULL,
+                                                              max_senders) p);
+        IF cardinality(senders) < max_senders AND starts[i] <> '' THEN
+            more := ARRAY(SELECT p.sender_key
+                          FROM pepsi.workqueue_pending_senders(
+                              stages[i], '', starts[i], max_senders - cardinality(senders)) p);
+            senders := senders || more;
+        END IF;
+        next_starts := next_starts || CASE WHEN cardinality(senders) >= max_senders
+                                           THEN senders[cardinality(senders)] ELSE '' END;
+        picked := picked || ARRAY(
+            WITH oldest AS (
+                SELECT q.workqueue_id FROM pepsi.workqueue q
+                WHERE q.stage = stages[i] AND q.status = 'pending'
+                ORDER BY q.stage, q.workqueue_id
+                LIMIT least(fifo[i], caps[i])
+            ), lag AS (
+                SELECT l.sender, l.seconds
+                FROM unnest(lag_stages, lag_senders, lag_values) AS l(stage, sender, seconds)
+                WHERE l.stage = stages[i]
+            ), candidate AS (
+                SELECT c.workqueue_id, coalesce(lag.seconds, 0) + c.k * averages[i] AS score
+                FROM unnest(senders) AS s(sender_key)
+                CROSS JOIN LATERAL (
+                    SELECT o.workqueue_id, row_number() OVER (ORDER BY o.workqueue_id) AS k
+                    FROM (SELECT q.workqueue_id FROM pepsi.workqueue q
+                          WHERE q.stage = stages[i] AND q.status = 'pending'
+                            AND q.sender_key = s.sender_key
+                          ORDER BY q.stage, q.sender_key, q.workqueue_id
+                          LIMIT caps[i]) o
+                ) c
+                LEFT JOIN lag ON lag.sender = s.sender_key
+            )
+            SELECT o.workqueue_id FROM oldest o
+            UNION ALL
+            (SELECT c.workqueue_id FROM candidate c
+             WHERE c.workqueue_id NOT IN (SELECT o.workqueue_id FROM oldest o)
+             ORDER BY c.score, c.workqueue_id
+             LIMIT caps[i] - (SELECT count(*) FROM oldest))
+        );
+    END LOOP;
+    WITH claimed AS (
+        UPDATE pepsi.workqueue w SET status = 'running'
+        WHERE w.workqueue_id = ANY(picked) AND w.status = 'pending'
+        RETURNING w.workqueue_id, w.stage, w.sender_key
+    )
+    SELECT coalesce(array_agg(c.workqueue_id ORDER BY c.workqueue_id), '{}'),
+           coalesce(array_agg(c.stage ORDER BY c.workqueue_id), '{}'),
+           coalesce(array_agg(c.sender_key ORDER BY c.workqueue_id), '{}')
+    INTO ids, id_stages, id_senders
+    FROM claimed c;
+END
+$$;
