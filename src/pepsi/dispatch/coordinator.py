@@ -106,6 +106,7 @@ class Dispatcher:
         self.next_housekeeping = 0.0
         self.body_cursor = 0
         self.claimed_total = 0
+        self.claims_total = 0
         self.completed_total = 0
 
     # ---- start and stop ---------------------------------------------------
@@ -130,9 +131,10 @@ class Dispatcher:
             if self.conn is not None:
                 await self.conn.close()
         log.info(
-            "stopped: %d claimed, %d completed since start",
+            "stopped: %d claimed, %d completed since start (%d claim statements)",
             self.claimed_total,
             self.completed_total,
+            self.claims_total,
         )
         return EX_OK
 
@@ -303,6 +305,7 @@ class Dispatcher:
         caps = {name: cap for name, cap in caps.items() if cap > 0}
         if not caps:
             return
+        self.claims_total += 1
         if self.fair is None:
             rows = await (
                 await self.conn.execute(
