@@ -548,7 +548,12 @@ CREATE FUNCTION pepsi.workqueue_claim_fair(
     max_senders integer DEFAULT 64,
     OUT ids bigint[], OUT id_stages text[], OUT id_senders text[], OUT next_starts text[]
 )
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+-- Each sender's oldest rows must come from the sender index, one short
+-- probe per sender; on a small or freshly drained table the planner would
+-- rather scan the heap once per sender (64 scans per claim).
+SET enable_seqscan = off
+AS $$
 DECLARE
     i integer;
     picked bigint[] := '{}';
