@@ -117,3 +117,9 @@ def faulty(msg: Message) -> None:
 @stage(needs="header")
 def faulty_serial(msg: Message) -> None:
     faulty(msg)
+
+
+@stage()
+def bad_state_then_error(msg: Message) -> None:
+    msg.state["oops"] = object()  # not JSON
+    raise RuntimeError("and then it breaks")

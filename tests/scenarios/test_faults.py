@@ -118,9 +118,9 @@ def test_past_max_lifetime_goes_to_bounce_stage_or_fails(pipeline: Pipeline) -> 
         "[stage-alone]\nHANDLER = tests.stages:faulty\nRETRY_DELAY = 200ms\nMAX_LIFETIME = 1s\n"
         "[stage-dead]\nHANDLER = tests.stages:park\n"
     )
+    dispatcher = pipeline.start()  # MAX_LIFETIME counts from arrival: publish once it runs
     (bounced,) = pipeline.publish("work", properties={"fault": "host"})
     (failed,) = pipeline.publish("alone", properties={"fault": "host"})
-    dispatcher = pipeline.start()
     wait_until(
         lambda: (
             (pipeline.row(bounced) or ("",))[0] == "dead"

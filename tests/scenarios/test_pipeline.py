@@ -197,18 +197,20 @@ def test_non_json_state_never_crashes_the_worker(pipeline: Pipeline) -> None:
     pipeline.configure(
         "[stage-x]\nHANDLER = tests.stages:bad_state_then_fail\n"
         "[stage-y]\nHANDLER = tests.stages:bad_state\n"
+        "[stage-z]\nHANDLER = tests.stages:bad_state_then_error\n"
     )
     (x,) = pipeline.publish("x")
     (y,) = pipeline.publish("y")
+    (z,) = pipeline.publish("z")
     dispatcher = pipeline.start()
     wait_until(
         lambda: (
             pipeline.scalar(
                 "SELECT count(*) FROM pepsi.workqueue WHERE status IN ('failed', 'paused')"
             )
-            == 2
+            == 3
         ),
-        what="both messages to settle",
+        what="the three messages to settle",
     )
     assert dispatcher.stop() == 0
     x_state = pipeline.scalar("SELECT state FROM pepsi.workqueue WHERE workqueue_id = %s", x)
@@ -220,6 +222,9 @@ def test_non_json_state_never_crashes_the_worker(pipeline: Pipeline) -> None:
     assert y_row is not None
     assert y_row[0] == "paused"  # a host failure: retried later
     assert "state is not JSON" in y_row[1]["last_error"]
+    z_state = pipeline.scalar("SELECT state FROM pepsi.workqueue WHERE workqueue_id = %s", z)
+    assert z_state["last_error"] == "RuntimeError: and then it breaks"
+    assert "oops" not in z_state
     assert "died" not in dispatcher.log
     assert "in flight; requeued" not in dispatcher.log
 

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -52,11 +51,10 @@ def test_light_load_settles_on_one_worker() -> None:
     assert plan.to_existing == {1: [2]}
 
 
-def test_beyond_capacity_is_an_error() -> None:
-    with pytest.raises(ValueError, match="beyond"):
-        assign(list(range(5)), [], limit=1, queue_limit=4)
-    with pytest.raises(ValueError, match="beyond"):
-        assign(list(range(5)), [], limit=4, queue_limit=4)  # one new worker at a time
+def test_beyond_capacity_is_left_over() -> None:
+    assert assign(list(range(5)), [], limit=1, queue_limit=4).leftover == [4]
+    plan = assign(list(range(5)), [], limit=4, queue_limit=4)  # one new worker at a time
+    assert plan.leftover == [4]
 
 
 def test_max_messages_budget_limits_room() -> None:
@@ -102,6 +100,7 @@ def test_assignment_invariants(
     n = data.draw(st.integers(0, free))
     ids = list(range(n))
     plan = assign(ids, workers, limit, queue_limit)
+    assert plan.leftover == []
     given_ids = [i for batch in plan.to_existing.values() for i in batch] + [
         i for batch in plan.to_new for i in batch
     ]

@@ -15,9 +15,11 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
+import psycopg
+
 from pepsi.db import connect, schema
 from pepsi.db.queries import query
-from pepsi.errors import EX_OK
+from pepsi.errors import EX_OK, DatabaseUnavailable
 
 if TYPE_CHECKING:
     from pepsi.cli import Context
@@ -60,14 +62,24 @@ def run_bouncer(args: argparse.Namespace, ctx: Context) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stop.set())
     target = connect.resolve(config)
-    with connect.connect(target.dsn, timeout=config.postgres.connect_timeout) as conn:
-        schema.require_current(conn)
-        while True:
-            moved = bounce_once(conn, [s for s in stages if s != sink], sink)
-            if moved:
-                log.warning("moved %d failed messages to %s", moved, where)
+    timeout = config.postgres.connect_timeout
+    with connect.connect(target.dsn, timeout=timeout) as first:
+        schema.require_current(first)
+    while True:
+        try:
+            with connect.connect(target.dsn, timeout=timeout) as conn:
+                moved = bounce_once(conn, [s for s in stages if s != sink], sink)
+        except (DatabaseUnavailable, psycopg.OperationalError) as exc:
             if args.once:
-                print(f"moved {moved} failed messages to {where}")
-                return EX_OK
-            if stop.wait(config.bouncer.interval):
-                return EX_OK
+                raise DatabaseUnavailable(str(exc)) from None
+            log.warning(
+                "database unavailable (%s); retrying in %.0fs", exc, config.bouncer.interval
+            )
+            moved = 0
+        if moved:
+            log.warning("moved %d failed messages to %s", moved, where)
+        if args.once:
+            print(f"moved {moved} failed messages to {where}")
+            return EX_OK
+        if stop.wait(config.bouncer.interval):
+            return EX_OK

@@ -107,6 +107,7 @@ class Dispatcher:
         self.body_cursor = 0
         self.claimed_total = 0
         self.claims_total = 0
+        self.tempfail_from: str | None = None
         self.completed_total = 0
 
     # ---- start and stop ---------------------------------------------------
@@ -201,6 +202,10 @@ class Dispatcher:
                 self.rows.give_up_pauses(time.monotonic())
                 await self._reconnect()
                 continue
+            except Exception:  # a bug must not strand every claimed row: log it, go on
+                log.exception("dispatcher cycle failed; continuing in 1s")
+                await asyncio.sleep(1.0)
+                continue
             timeout = self._sleep_time()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), timeout)
@@ -208,6 +213,9 @@ class Dispatcher:
 
     async def _cycle(self) -> None:
         now = time.monotonic()
+        if self.tempfail_from is not None:
+            self._tempfail(self.tempfail_from)
+            self.tempfail_from = None
         self._tend_workers(now)
         if self.rows and self.conn is not None:
             soonest = await self.rows.flush(self.conn, now)
@@ -375,6 +383,8 @@ class Dispatcher:
         stage = pool.config
         cap = backpressure.limit_for(self.caps, stage.name, time.monotonic())
         plan = pools.assign(ids, pool.all_loads(), pool.limit(cap), stage.queue_limit)
+        if plan.leftover:  # capacity shrank while the claim ran (a worker died)
+            self._requeue(stage.name, plan.leftover)
         for key, batch in plan.to_existing.items():
             pool.workers[key].send(batch)
         for batch in plan.to_new:
@@ -448,7 +458,7 @@ class Dispatcher:
             self.rows.pause_db(worker.stage, wid, time.monotonic())
         elif status.status == EX_TEMPFAIL:  # W-5: connection limit exhausted
             self._requeue(worker.stage, [wid])
-            self._tempfail(worker.stage)
+            self.tempfail_from = worker.stage  # one halving per cycle, not per id
         elif not status.ok:
             log.info("stage %s: message %d ended with status %d", worker.stage, wid, status.status)
         self.wake.set()
@@ -553,7 +563,7 @@ class Dispatcher:
         try:
             await asyncio.wait_for(worker.wait_closed(), STOP_WAIT)
         except TimeoutError:
-            worker.kill("did not stop when asked")
+            worker.kill("did not stop when asked", expected=True)
 
     # ---- the listener and reconnection ----------------------------------------
 

@@ -30,6 +30,7 @@ def room_for(inflight: int, handled: int, queue_limit: int, max_messages: int) -
 class Assignment:
     to_existing: dict[int, list[int]] = field(default_factory=dict)  # worker key -> ids
     to_new: list[list[int]] = field(default_factory=list)  # one id list per new worker
+    leftover: list[int] = field(default_factory=list)  # no room for them any more
 
 
 def worker_limit(parallelism: int, cap: int | None = None) -> int:
@@ -60,8 +61,9 @@ def assign(
 ) -> Assignment:
     """Pack `ids` onto the busiest workers with room first, then onto new workers.
 
-    Ids beyond the stage's free capacity are not assigned (the caller claimed
-    at most that many, so there are none).
+    The caller claimed at most the free capacity, but workers may have died
+    while the claim ran: ids beyond the capacity left are returned as
+    `leftover`, for the caller to requeue.
     """
     result = Assignment()
     pending = list(ids)
@@ -74,8 +76,7 @@ def assign(
     if pending and startable(workers, limit):
         result.to_new.append(pending[:queue_limit])
         pending = pending[queue_limit:]
-    if pending:
-        raise ValueError(f"{len(pending)} ids beyond the stage's free capacity")
+    result.leftover.extend(pending)
     return result
 
 

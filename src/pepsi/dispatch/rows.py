@@ -63,19 +63,27 @@ class RowWriter:
         return bool(self.requeues or self.pauses or self.strikes)
 
     async def flush(self, conn: AConn, now: float) -> float | None:
-        """Apply what is queued; return the soonest pause written (seconds), if any."""
+        """Apply what is queued; return the soonest pause written (seconds), if any.
+
+        Each batch is taken off the queues before its write is awaited, so
+        events that arrive meanwhile wait for the next flush instead of being
+        dropped; a batch whose write fails goes back to its queue.
+        """
         soonest: float | None = None
+        delays = [self.options.strike_delay, 2 * self.options.strike_delay]
         while self.strikes:
-            strike = self.strikes[0]
-            delays = [self.options.strike_delay, 2 * self.options.strike_delay]
-            row = await (
-                await conn.execute(
-                    query("workqueue_strike"),
-                    {"id": strike.wid, "stage": strike.stage, "kind": strike.kind,
-                     "reason": strike.reason, "delays": delays},
-                )
-            ).fetchone()  # fmt: skip
-            self.strikes.pop(0)
+            strike = self.strikes.pop(0)
+            try:
+                row = await (
+                    await conn.execute(
+                        query("workqueue_strike"),
+                        {"id": strike.wid, "stage": strike.stage, "kind": strike.kind,
+                         "reason": strike.reason, "delays": delays},
+                    )
+                ).fetchone()  # fmt: skip
+            except psycopg.OperationalError:
+                self.strikes.insert(0, strike)
+                raise
             n = int(row[0]) if row else 0
             if n >= 3:
                 log.error(
@@ -94,37 +102,38 @@ class RowWriter:
                     strike.reason,
                     delays[n - 1],
                 )
-                soonest = min(soonest or delays[n - 1], delays[n - 1])
-        if await self._flush_pauses(conn):
-            pause = self.options.db_error_pause
-            soonest = pause if soonest is None else min(soonest, pause)
-        while self.requeues:
-            stage, ids = next(iter(self.requeues.items()))
-            await conn.execute(query("workqueue_requeue_running"), {"ids": ids, "stage": stage})
-            del self.requeues[stage]
-        return soonest
-
-    async def _flush_pauses(self, conn: AConn) -> bool:
-        wrote = False
-        by_stage: dict[str, list[int]] = defaultdict(list)
-        for pause in self.pauses:
-            by_stage[pause.stage].append(pause.wid)
-        for stage, ids in by_stage.items():
+                soonest = delays[n - 1] if soonest is None else min(soonest, delays[n - 1])
+        pauses, self.pauses = self.pauses, []
+        by_stage: dict[str, list[DbPause]] = defaultdict(list)
+        for pause in pauses:
+            by_stage[pause.stage].append(pause)
+        for stage, items in by_stage.items():
             seconds = self.options.db_error_pause
-            await conn.execute(
-                query("workqueue_pause_if_running"),
-                {"ids": ids, "stage": stage, "seconds": seconds,
-                 "reason": "database connection lost while processing"},
-            )  # fmt: skip
+            try:
+                await conn.execute(
+                    query("workqueue_pause_if_running"),
+                    {"ids": [p.wid for p in items], "stage": stage, "seconds": seconds,
+                     "reason": "database connection lost while processing"},
+                )  # fmt: skip
+            except psycopg.OperationalError:
+                self.pauses.extend(pauses)  # this stage's and those not yet written
+                raise
+            pauses = [p for p in pauses if p.stage != stage]
             log.warning(
                 "stage %s: %d messages paused %.0fs (database connection lost)",
                 stage,
-                len(ids),
+                len(items),
                 seconds,
             )
-            self.pauses = [p for p in self.pauses if p.stage != stage]
-            wrote = True
-        return wrote
+            soonest = seconds if soonest is None else min(soonest, seconds)
+        while self.requeues:
+            stage, ids = self.requeues.popitem()
+            try:
+                await conn.execute(query("workqueue_requeue_running"), {"ids": ids, "stage": stage})
+            except psycopg.OperationalError:
+                self.requeues[stage].extend(ids)
+                raise
+        return soonest
 
     def give_up_pauses(self, now: float) -> None:
         """While the database is away: forget 74 pauses older than about DB_ERROR_PAUSE."""

@@ -127,9 +127,10 @@ class WorkerProcess:
         if self._proc and self._proc.stdin and not self._proc.stdin.is_closing():
             self._proc.stdin.close()
 
-    def kill(self, reason: str) -> None:
-        """Tear the child down now (protocol error, hang, shutdown)."""
-        self._failure = self._failure or reason
+    def kill(self, reason: str, *, expected: bool = False) -> None:
+        """Tear the child down now (protocol error, hang; or a stop it ignored)."""
+        if not expected:
+            self._failure = self._failure or reason
         if self._proc is not None and self._proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self._proc.send_signal(signal.SIGKILL)
@@ -176,6 +177,8 @@ class WorkerProcess:
                 if not self.ready:
                     if is_ready(line):
                         self.ready = True
+                        if self.inflight:  # MAX_RUNTIME counts from here, not from spawn
+                            self.head_since = time.monotonic()
                         self._on_ready(self)
                         continue
                     raise ProtocolError(f"expected 'ready', got {line[:80]!r}")

@@ -48,6 +48,7 @@ log = logging.getLogger("pepsi.worker")
 Conn = psycopg.Connection[tuple[Any, ...]]
 StageFunc = Callable[[Message], Any]
 STATUS_FAILED = 1
+PER_STAGE = ("strikes", "temporary_failures")  # counts that start again at each stage
 
 
 class _DatabaseGone(Exception):
@@ -265,7 +266,10 @@ class StageRunner:
             decision = policy.on_permanent_error(msg.stage, msg.state, str(exc) or "permanent")
             self.stage_log.error("message %d failed permanently: %s", msg.id, exc)
             self._apply(msg, decision, batch)
-        except Exception as exc:  # noqa: BLE001  # any other error is a host failure (W-3)
+        except Exception as exc:  # any other error is a host failure (W-3)
+            if self.conn.broken and database_exit_code(exc) is not None:
+                raise  # our own connection went (a lazy body load): the batch answers 74/75
+            _check_state(msg, loaded_state, quiet=True)
             self._host_failure(msg, f"{type(exc).__name__}: {exc}", batch)
 
     def _record(self, msg: Message, outcome: Any, batch: Batch) -> None:
@@ -280,7 +284,10 @@ class StageRunner:
                     self._host_failure(msg, f"advance to unknown stage {target!r}", batch)
                     return
                 else:
-                    batch.updates.append(_update(msg.id, target, "pending", msg.state))
+                    state = msg.state
+                    if target != msg.stage:  # retry and strike counts are per stage
+                        state = {k: v for k, v in state.items() if k not in PER_STAGE}
+                    batch.updates.append(_update(msg.id, target, "pending", state))
             case Finish():
                 batch.finished.append(msg.id)
             case Pause(until=until, reason=reason):

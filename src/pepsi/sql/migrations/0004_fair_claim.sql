@@ -51,6 +51,9 @@ DECLARE
     picked bigint[] := '{}';
     senders text[];
     more text[];
+    limits bigint[];
+    chosen bigint[];
+    attempt integer;
 BEGIN
     next_starts := '{}';
     FOR i IN 1 .. coalesce(array_length(stages, 1), 0) LOOP
@@ -65,36 +68,62 @@ BEGIN
         END IF;
         next_starts := next_starts || CASE WHEN cardinality(senders) >= max_senders
                                            THEN senders[cardinality(senders)] ELSE '' END;
-        picked := picked || ARRAY(
-            WITH oldest AS (
-                SELECT q.workqueue_id FROM pepsi.workqueue q
-                WHERE q.stage = stages[i] AND q.status = 'pending'
-                ORDER BY q.stage, q.workqueue_id
-                LIMIT least(fifo[i], caps[i])
-            ), lag AS (
-                SELECT l.sender, l.seconds
-                FROM unnest(lag_stages, lag_senders, lag_values) AS l(stage, sender, seconds)
-                WHERE l.stage = stages[i]
-            ), candidate AS (
-                SELECT c.workqueue_id, coalesce(lag.seconds, 0) + c.k * averages[i] AS score
-                FROM unnest(senders) AS s(sender_key)
-                CROSS JOIN LATERAL (
-                    SELECT o.workqueue_id, row_number() OVER (ORDER BY o.workqueue_id) AS k
-                    FROM (SELECT q.workqueue_id FROM pepsi.workqueue q
-                          WHERE q.stage = stages[i] AND q.status = 'pending'
-                            AND q.sender_key = s.sender_key
-                          ORDER BY q.stage, q.sender_key, q.workqueue_id
-                          LIMIT caps[i]) o
-                ) c
-                LEFT JOIN lag ON lag.sender = s.sender_key
+        -- How many of each sender's oldest rows can matter, from the lags
+        -- alone: the caps[i] smallest of the virtual scores lag + k × average
+        -- (k ≤ caps[i]) set a threshold, and a sender's rows scoring above it
+        -- cannot be chosen while every sender has that many rows. When the
+        -- first pass finds fewer rows than slots, the second reads up to
+        -- caps[i] per sender, so the choice is always the full ranking's.
+        limits := ARRAY(
+            WITH lagged AS (
+                SELECT s.n, coalesce(l.seconds, 0) AS lag
+                FROM unnest(senders) WITH ORDINALITY AS s(sender_key, n)
+                LEFT JOIN unnest(lag_stages, lag_senders, lag_values) AS l(stage, sender, seconds)
+                       ON l.stage = stages[i] AND l.sender = s.sender_key
+            ), virtual AS (
+                SELECT g.n, g.lag + k * averages[i] AS score
+                FROM lagged g, generate_series(1, caps[i]) AS k
+            ), threshold AS (
+                SELECT max(v.score) AS t
+                FROM (SELECT score FROM virtual ORDER BY score LIMIT caps[i]) v
             )
-            SELECT o.workqueue_id FROM oldest o
-            UNION ALL
-            (SELECT c.workqueue_id FROM candidate c
-             WHERE c.workqueue_id NOT IN (SELECT o.workqueue_id FROM oldest o)
-             ORDER BY c.score, c.workqueue_id
-             LIMIT caps[i] - (SELECT count(*) FROM oldest))
-        );
+            SELECT (SELECT count(*) FROM virtual v WHERE v.n = g.n AND v.score <= th.t)
+            FROM lagged g, threshold th
+            ORDER BY g.n);
+        FOR attempt IN 1 .. 2 LOOP
+            chosen := ARRAY(
+                WITH oldest AS (
+                    SELECT q.workqueue_id FROM pepsi.workqueue q
+                    WHERE q.stage = stages[i] AND q.status = 'pending'
+                    ORDER BY q.stage, q.workqueue_id
+                    LIMIT least(fifo[i], caps[i])
+                ), lag AS (
+                    SELECT l.sender, l.seconds
+                    FROM unnest(lag_stages, lag_senders, lag_values) AS l(stage, sender, seconds)
+                    WHERE l.stage = stages[i]
+                ), candidate AS (
+                    SELECT c.workqueue_id, coalesce(lag.seconds, 0) + c.k * averages[i] AS score
+                    FROM unnest(senders) WITH ORDINALITY AS s(sender_key, n)
+                    CROSS JOIN LATERAL (
+                        SELECT o.workqueue_id, row_number() OVER (ORDER BY o.workqueue_id) AS k
+                        FROM (SELECT q.workqueue_id FROM pepsi.workqueue q
+                              WHERE q.stage = stages[i] AND q.status = 'pending'
+                                AND q.sender_key = s.sender_key
+                              ORDER BY q.stage, q.sender_key, q.workqueue_id
+                              LIMIT CASE WHEN attempt = 1 THEN limits[s.n] ELSE caps[i] END) o
+                    ) c
+                    LEFT JOIN lag ON lag.sender = s.sender_key
+                )
+                SELECT o.workqueue_id FROM oldest o
+                UNION ALL
+                (SELECT c.workqueue_id FROM candidate c
+                 WHERE c.workqueue_id NOT IN (SELECT o.workqueue_id FROM oldest o)
+                 ORDER BY c.score, c.workqueue_id
+                 LIMIT caps[i] - (SELECT count(*) FROM oldest))
+            );
+            EXIT WHEN cardinality(chosen) >= caps[i];
+        END LOOP;
+        picked := picked || chosen;
     END LOOP;
     WITH claimed AS (
         UPDATE pepsi.workqueue w SET status = 'running'
