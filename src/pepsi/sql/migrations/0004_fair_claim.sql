@@ -87,8 +87,14 @@ BEGIN
                 SELECT max(v.score) AS t
                 FROM (SELECT score FROM virtual ORDER BY score LIMIT caps[i]) v
             )
-            SELECT (SELECT count(*) FROM virtual v WHERE v.n = g.n AND v.score <= th.t)
-            FROM lagged g, threshold th
+            , counted AS (
+                SELECT v.n, count(*) AS c
+                FROM virtual v, threshold th
+                WHERE v.score <= th.t
+                GROUP BY v.n
+            )
+            SELECT coalesce(counted.c, 0)
+            FROM lagged g LEFT JOIN counted ON counted.n = g.n
             ORDER BY g.n);
         FOR attempt IN 1 .. 2 LOOP
             chosen := ARRAY(
