@@ -168,6 +168,7 @@ main_config = _alias("config")
 main_dispatch = _alias("dispatch")
 main_ingress = _alias("ingress")
 main_failure_bouncer = _alias("failure-bouncer")
+main_queue = _alias("queue")
 
 __all__ = [
     "EX_OK",

@@ -252,3 +252,25 @@ def test_dispatcher_dead_letters_expired_messages(pipeline: Pipeline) -> None:
     assert "dead-lettered 5 expired messages (TTL)" in dispatcher.log
     assert effects_per_message(pipeline) == {(i, "dlq"): 1 for i in ids}
     assert dispatcher.stop() == 0
+
+
+def test_repairs_with_the_dispatcher_running(pipeline: Pipeline) -> None:
+    pipeline.configure("[stage-work]\nHANDLER = tests.stages:effect\n")
+    dispatcher = pipeline.start()
+    rows = pipeline.db.execute(
+        "INSERT INTO pepsi.workqueue (stage, status, timeout, state) VALUES"
+        " ('work', 'paused', now() + interval '1 hour', '{}'),"
+        " ('work', 'failed', NULL, '{\"failed_stage\": \"work\", \"strikes\": 3}')"
+        " RETURNING workqueue_id"
+    ).fetchall()
+    paused, failed = (int(r[0]) for r in rows)
+    queue = [sys.executable, "-m", "pepsi", "-c", str(pipeline.conf), "queue"]
+    for action in ("resume", "retry"):
+        done = subprocess.run(
+            [*queue, action, "--stage", "work"], env=pipeline.env(), cwd=REPO,
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    wait_until(lambda: pipeline.remaining() == 0, what="the repaired messages to run")
+    assert dispatcher.stop() == 0
+    assert effects_per_message(pipeline) == {(paused, "work"): 1, (failed, "work"): 1}

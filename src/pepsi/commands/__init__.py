@@ -14,6 +14,7 @@ from pepsi.commands import (
     db_cmd,
     dispatch_cmd,
     ingress_cmd,
+    queue_cmd,
     setup_cmd,
     worker_cmd,
 )
@@ -27,5 +28,6 @@ COMMANDS: tuple[Register, ...] = (
     dispatch_cmd.register,
     ingress_cmd.register,
     bouncer_cmd.register,
+    queue_cmd.register,
     worker_cmd.register,
 )

@@ -157,3 +157,79 @@ FROM pepsi.workqueue_claim_fair(
     %(stages)s::text[], %(caps)s::integer[], %(fifo)s::integer[], %(averages)s::float8[],
     %(starts)s::text[], %(lag_stages)s::text[], %(lag_senders)s::text[],
     %(lag_values)s::float8[], %(max_senders)s);
+
+-- name: queue_status_counts
+SELECT stage, status::text, count(*) FROM pepsi.workqueue GROUP BY 1, 2 ORDER BY 1, 2;
+
+-- name: queue_status_heads
+-- Per stage: the oldest pending row's age and the next paused row's due time,
+-- each one probe of a partial index.
+SELECT s.stage,
+       (SELECT extract(epoch FROM now() - q.arrived) FROM pepsi.workqueue q
+        WHERE q.stage = s.stage AND q.status = 'pending'
+        ORDER BY q.stage, q.workqueue_id LIMIT 1) AS oldest_pending_s,
+       (SELECT min(q.timeout) FROM pepsi.workqueue q
+        WHERE q.stage = s.stage AND q.status = 'paused') AS next_retry
+FROM unnest(%(stages)s::text[]) AS s(stage);
+
+-- name: queue_status_failures
+SELECT stage, status::text, coalesce(state->>'failure_class', '?'), count(*)
+FROM pepsi.workqueue WHERE status IN ('failed', 'timeout')
+GROUP BY 1, 2, 3 ORDER BY 1, 2, 3;
+
+-- name: queue_list
+SELECT workqueue_id, stage, status::text, arrived, timeout, sender_key, message_id,
+       state->>'last_error', coalesce((state->>'strikes')::int, 0)
+FROM pepsi.workqueue
+WHERE (%(stage)s::text IS NULL OR stage = %(stage)s)
+  AND (%(status)s::text IS NULL OR status = %(status)s::pepsi.workqueue_status)
+  AND (%(sender_key)s::text IS NULL OR sender_key = %(sender_key)s)
+ORDER BY workqueue_id
+LIMIT %(limit)s;
+
+-- name: queue_show
+SELECT w.workqueue_id, w.stage, w.status::text, w.arrived, w.timeout, w.expires, w.message_id,
+       w.sender, w.recipients, w.origin_user, host(w.origin_peer), w.sender_key, w.header_from,
+       w.subject, w.content_type, w.correlation_id, w.properties, w.state,
+       length(b.header), length(b.body), b.header, b.body
+FROM pepsi.workqueue w LEFT JOIN pepsi.workqueue_body b USING (body_id)
+WHERE w.workqueue_id = %(id)s;
+
+-- name: dispatcher_lock_absent
+-- Held until the end of the repair's transaction: no dispatcher runs, and
+-- none can start, while a repair touches running rows.
+SELECT pg_try_advisory_xact_lock(1885696115);
+
+-- name: queue_resume
+UPDATE pepsi.workqueue SET status = 'pending', timeout = NULL
+WHERE status = 'paused' AND workqueue_id = ANY(%(ids)s::bigint[])
+RETURNING workqueue_id;
+
+-- name: queue_retry
+UPDATE pepsi.workqueue
+SET status = 'pending', timeout = NULL,
+    stage = coalesce(state->>'failed_stage', stage),
+    state = state - 'strikes' - 'temporary_failures' - 'failure_class' - 'failed_stage'
+            - 'dead_letter_reason'
+WHERE status IN ('failed', 'timeout') AND workqueue_id = ANY(%(ids)s::bigint[])
+RETURNING workqueue_id;
+
+-- name: queue_move
+UPDATE pepsi.workqueue SET stage = %(to)s, status = 'pending', timeout = NULL
+WHERE workqueue_id = ANY(%(ids)s::bigint[]) AND (status <> 'running' OR %(allow_running)s)
+RETURNING workqueue_id;
+
+-- name: queue_delete
+DELETE FROM pepsi.workqueue
+WHERE workqueue_id = ANY(%(ids)s::bigint[]) AND (status <> 'running' OR %(allow_running)s)
+RETURNING workqueue_id;
+
+-- name: queue_select
+-- The ids a repair applies to: given ids, or every row matching the selectors.
+SELECT workqueue_id, status::text FROM pepsi.workqueue
+WHERE (cardinality(%(ids)s::bigint[]) = 0 OR workqueue_id = ANY(%(ids)s::bigint[]))
+  AND (%(stage)s::text IS NULL OR stage = %(stage)s
+       OR state->>'failed_stage' = %(stage)s)
+  AND (%(failure_class)s::text IS NULL OR state->>'failure_class' = %(failure_class)s)
+  AND status = ANY(%(statuses)s::pepsi.workqueue_status[])
+ORDER BY workqueue_id;
