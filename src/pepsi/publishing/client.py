@@ -55,6 +55,18 @@ def _translate(exc: psycopg.Error) -> Exception:
     return exc
 
 
+def _pool_options(config: Config) -> dict[str, Any]:
+    """The publishers' pools: [pepsi-postgres] sizes, autocommit connections."""
+    pg = config.postgres
+    return {
+        "min_size": pg.pool_min_size,
+        "max_size": pg.pool_max_size,
+        "kwargs": {"autocommit": True, "application_name": "pepsi-publish"},
+        "timeout": pg.connect_timeout,
+        "open": False,
+    }
+
+
 class _Routes:
     """The configuration plus its database overlay, re-read on an unknown stage."""
 
@@ -77,14 +89,7 @@ class Publisher:
         self.routes = _Routes(config)
         self.dsn = dsn
         pg = config.postgres
-        self.pool = ConnectionPool(
-            dsn,
-            min_size=pg.pool_min_size,
-            max_size=pg.pool_max_size,
-            kwargs={"autocommit": True, "application_name": "pepsi-publish"},
-            timeout=pg.connect_timeout,
-            open=False,
-        )
+        self.pool = ConnectionPool(dsn, **_pool_options(config))
         try:
             self.pool.open(wait=True, timeout=pg.connect_timeout)
         except PoolTimeout:
@@ -169,15 +174,7 @@ class AsyncPublisher:
     def __init__(self, config: Config, dsn: str) -> None:
         self.routes = _Routes(config)
         self.dsn = dsn
-        pg = config.postgres
-        self.pool = AsyncConnectionPool(
-            dsn,
-            min_size=pg.pool_min_size,
-            max_size=pg.pool_max_size,
-            kwargs={"autocommit": True, "application_name": "pepsi-publish"},
-            timeout=pg.connect_timeout,
-            open=False,
-        )
+        self.pool = AsyncConnectionPool(dsn, **_pool_options(config))
 
     @classmethod
     async def connect(
