@@ -20,6 +20,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -30,6 +31,7 @@ from pepsi.db.connect import one_line
 from pepsi.db.queries import query
 from pepsi.dispatch import backpressure, fairness, pools
 from pepsi.dispatch.rows import RowWriter
+from pepsi.dispatch.stats import Stats
 from pepsi.dispatch.workers import Exit, WorkerProcess, resolve_program
 from pepsi.errors import EX_CONFIG, EX_IOERR, EX_OK, EX_TEMPFAIL, DatabaseUnavailable, PepsiError
 from pepsi.protocol import StatusLine
@@ -107,6 +109,10 @@ class Dispatcher:
         self.body_cursor = 0
         self.claimed_total = 0
         self.claims_total = 0
+        self.stats = Stats()
+        self.started_at = datetime.now(UTC)
+        self.last_stats_flush = 0.0
+        self.next_stats = time.monotonic() + config.dispatch.stats_interval
         self.tempfail_from: str | None = None
         self.completed_total = 0
 
@@ -185,9 +191,11 @@ class Dispatcher:
         for name, pool in self.pools.items():
             self._requeue(name, list(pool.isolate))
             pool.isolate.clear()
-        if self.conn is not None and self.rows:
+        if self.conn is not None:
             try:
-                await self.rows.flush(self.conn, time.monotonic())
+                if self.rows:
+                    await self.rows.flush(self.conn, time.monotonic())
+                await self._flush_stats()
             except psycopg.OperationalError:
                 log.error("could not requeue in-flight rows; the next start resets them")
 
@@ -230,10 +238,15 @@ class Dispatcher:
             self.next_housekeeping = now + self.config.dispatch.stats_interval
         await self._isolate()
         await self._claim()
+        idle = not any(w.inflight for p in self.pools.values() for w in p.workers.values())
+        if self.stats and (now >= self.next_stats or (idle and now - self.last_stats_flush >= 1.0)):
+            await self._flush_stats()
 
     def _sleep_time(self) -> float:
         now = time.monotonic()
         deadlines = [self.next_poll]
+        if self.stats:  # flush when idle (at most once a second) or at the tick
+            deadlines.append(min(self.next_stats, self.last_stats_flush + 1.0))
         for pool in self.pools.values():
             for w in pool.workers.values():
                 if w.stopping:
@@ -260,6 +273,7 @@ class Dispatcher:
         resumed, next_due_in = int(row[0]), row[1]
         if resumed:
             log.info("resumed %d paused rows", resumed)
+            self.stats.count("paused_resumed", resumed)
         self.next_due = None
         if next_due_in is not None:
             self._due_in(float(next_due_in))
@@ -268,6 +282,17 @@ class Dispatcher:
         """A paused row falls due in `seconds`: wake then (P-8)."""
         due = time.monotonic() + max(0.0, seconds)
         self.next_due = due if self.next_due is None else min(self.next_due, due)
+
+    async def _flush_stats(self) -> None:
+        """P-9: one statement; nothing at all when nothing was counted."""
+        assert self.conn is not None
+        now = time.monotonic()
+        self.last_stats_flush = now
+        self.next_stats = now + self.config.dispatch.stats_interval
+        if not self.stats:
+            return
+        params = self.stats.take()
+        await self.conn.execute(query("stats_flush"), {**params, "started": self.started_at})
 
     async def _expire(self) -> None:
         """R-10: the TTL sweep, on the poll tick rather than in every claim."""
@@ -300,6 +325,7 @@ class Dispatcher:
         if row is not None:
             if row[0]:
                 log.info("collected %d orphaned message bodies", row[0])
+                self.stats.count("bodies_collected", int(row[0]))
             self.body_cursor = int(row[1])
 
     async def _claim(self) -> None:
@@ -314,6 +340,7 @@ class Dispatcher:
         if not caps:
             return
         self.claims_total += 1
+        self.stats.count("claims")
         if self.fair is None:
             rows = await (
                 await self.conn.execute(
@@ -326,6 +353,7 @@ class Dispatcher:
         if not rows:
             return
         self.claimed_total += len(rows)
+        self.stats.count("claimed", len(rows))
         by_stage: dict[str, list[int]] = defaultdict(list)
         for wid, stage, *_ in sorted(rows):
             by_stage[stage].append(int(wid))
@@ -374,6 +402,7 @@ class Dispatcher:
     def _requeue(self, stage: str, ids: Sequence[int]) -> None:
         """Back to pending without having run: the sender's debit is refunded."""
         self.rows.requeue(stage, ids)
+        self.stats.stage(stage, "requeued", len(ids))
         if self.fair is not None:
             ledger = self.fair.ledger(stage)
             for wid in ids:
@@ -423,6 +452,7 @@ class Dispatcher:
             self._requeue(stage.name, ids)
             return None
         pool.workers[worker.key] = worker
+        self.stats.count("workers_started")
         log.debug("stage %s: started worker pid %s", stage.name, worker.pid)
         return worker
 
@@ -454,6 +484,7 @@ class Dispatcher:
             self.fair.ledger(worker.stage).report(
                 wid, None if micros is None else micros / 1_000_000
             )
+        self._count_status(worker.stage, status)
         if status.status == EX_IOERR:  # W-4: the worker lost the database
             self.rows.pause_db(worker.stage, wid, time.monotonic())
         elif status.status == EX_TEMPFAIL:  # W-5: connection limit exhausted
@@ -462,6 +493,19 @@ class Dispatcher:
         elif not status.ok:
             log.info("stage %s: message %d ended with status %d", worker.stage, wid, status.status)
         self.wake.set()
+
+    def _count_status(self, stage: str, status: StatusLine) -> None:
+        """P-9: a worker pass; fused stages count one by one from its report."""
+        self.stats.count("stages_executed")
+        if status.status in (EX_IOERR, EX_TEMPFAIL):
+            return  # not processed: paused or requeued
+        if not status.report:
+            self.stats.stage(stage, "processed" if status.ok else "failed")
+            return
+        for position, (name, micros) in enumerate(status.report, start=1):
+            self.stats.stage(name, "busy_us", micros)
+            last_failed = not status.ok and position == len(status.report)
+            self.stats.stage(name, "failed" if last_failed else "processed")
 
     def _tempfail(self, stage: str) -> None:
         now = time.monotonic()
@@ -502,6 +546,8 @@ class Dispatcher:
             kind = "timed-out" if worker.timed_out else "crashed"
             self._charge_timeout(worker.stage, head, timed_out=worker.timed_out)
             self.rows.strike(worker.stage, head, kind, f"worker {exit_.reason}")
+            self.stats.stage(worker.stage, "strikes")
+            self.stats.count("workers_crashed")
             self._requeue(worker.stage, exit_.unanswered[1:])
             log.error(
                 "stage %s: worker pid %s %s holding message %d",

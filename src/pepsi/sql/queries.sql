@@ -233,3 +233,30 @@ WHERE (cardinality(%(ids)s::bigint[]) = 0 OR workqueue_id = ANY(%(ids)s::bigint[
   AND (%(failure_class)s::text IS NULL OR state->>'failure_class' = %(failure_class)s)
   AND status = ANY(%(statuses)s::pepsi.workqueue_status[])
 ORDER BY workqueue_id;
+
+-- name: stats_flush
+-- P-9: every counter delta in one statement (one transaction).
+WITH stage_delta AS (
+    INSERT INTO pepsi.stage_stats AS s (stage, processed, failed, strikes, requeued, busy_us)
+    SELECT * FROM unnest(%(stages)s::text[], %(processed)s::bigint[], %(failed)s::bigint[],
+                         %(strikes)s::bigint[], %(requeued)s::bigint[], %(busy_us)s::bigint[])
+    ON CONFLICT (stage) DO UPDATE
+    SET processed = s.processed + EXCLUDED.processed, failed = s.failed + EXCLUDED.failed,
+        strikes = s.strikes + EXCLUDED.strikes, requeued = s.requeued + EXCLUDED.requeued,
+        busy_us = s.busy_us + EXCLUDED.busy_us, updated = now()
+    RETURNING 1
+)
+INSERT INTO pepsi.dispatch_stats AS d
+    (name, claims, claimed, stages_executed, workers_started, workers_crashed, paused_resumed,
+     bodies_collected, started)
+VALUES ('pepsi-dispatch', %(d_claims)s, %(d_claimed)s, %(d_stages_executed)s,
+        %(d_workers_started)s, %(d_workers_crashed)s, %(d_paused_resumed)s,
+        %(d_bodies_collected)s, %(started)s)
+ON CONFLICT (name) DO UPDATE
+SET claims = d.claims + EXCLUDED.claims, claimed = d.claimed + EXCLUDED.claimed,
+    stages_executed = d.stages_executed + EXCLUDED.stages_executed,
+    workers_started = d.workers_started + EXCLUDED.workers_started,
+    workers_crashed = d.workers_crashed + EXCLUDED.workers_crashed,
+    paused_resumed = d.paused_resumed + EXCLUDED.paused_resumed,
+    bodies_collected = d.bodies_collected + EXCLUDED.bodies_collected,
+    started = EXCLUDED.started, updated = now();
