@@ -49,6 +49,9 @@ def test_counters_match_the_events(pipeline: Pipeline, admin_dsn: str) -> None:
     # An idle dispatcher does no database work: no transaction in a window
     # shorter than its POLL_INTERVAL, counted from another database.
     dbname = str(conninfo.conninfo_to_dict(pipeline.dsn)["dbname"])
+    # idle means its workers have stopped too (WORKER_IDLE_TIMEOUT), and their
+    # exits have been handled
+    wait_until(lambda: pipeline.workers() == 0, what="the idle workers to stop")
     pipeline.db.close()
 
     def commits(admin: psycopg.Connection[tuple[object, ...]]) -> int:
