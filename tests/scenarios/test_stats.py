@@ -62,7 +62,7 @@ def test_counters_match_the_events(pipeline: Pipeline, admin_dsn: str) -> None:
         return int(str(row[0])) if row else 0
 
     with psycopg.connect(admin_dsn, autocommit=True) as admin:
-        time.sleep(1.5)  # let the backends report what they did so far
+        time.sleep(2.5)  # the last exits' follow-up, and the backends' stats reports
         before = commits(admin)
         time.sleep(3)  # idle: the window being measured, not a wait for something
         after = commits(admin)

@@ -340,7 +340,6 @@ class Dispatcher:
         if not caps:
             return
         self.claims_total += 1
-        self.stats.count("claims")
         if self.fair is None:
             rows = await (
                 await self.conn.execute(
@@ -353,6 +352,9 @@ class Dispatcher:
         if not rows:
             return
         self.claimed_total += len(rows)
+        # Only claims that took rows are counted: an idle poll tick must not
+        # leave a delta behind, or every tick would be followed by a flush.
+        self.stats.count("claims")
         self.stats.count("claimed", len(rows))
         by_stage: dict[str, list[int]] = defaultdict(list)
         for wid, stage, *_ in sorted(rows):
