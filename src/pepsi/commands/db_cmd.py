@@ -89,7 +89,7 @@ def run_status(args: argparse.Namespace, ctx: Context) -> int:
         facts.add_row("database", connect.Target(dsn, None).source)
     facts.add_row("url", connect.redact(dsn))
     with connect.connect(dsn, timeout=config.postgres.connect_timeout) as conn:
-        version = conn.execute("SHOW server_version").fetchone()
+        version = conn.execute(query("server_version")).fetchone()
         facts.add_row("server", f"PostgreSQL {version[0] if version else '?'}")
         check = schema.check(conn)
         facts.add_row("schema", check.message())

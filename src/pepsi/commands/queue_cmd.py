@@ -254,7 +254,7 @@ def run_repair(args: argparse.Namespace, ctx: Context) -> int:
             {"ids": ids, "to": getattr(args, "to", None), "allow_running": allow_running},
         ).fetchall()
         if done and name != "delete":
-            conn.execute("NOTIFY workqueue")
+            conn.execute(query("workqueue_notify"))
     changed = sorted(int(r[0]) for r in done)
     if args.json:
         _emit({"action": name, "ids": changed})

@@ -23,7 +23,6 @@ from pepsi.db.queries import query, sql_text
 from pepsi.errors import PepsiError, SchemaMismatch
 
 _MIGRATION = re.compile(r"(\d{4})_[a-z0-9_]+\.sql")
-_LOCK_KEY = "pepsi.schema"
 
 
 @dataclass(frozen=True)
@@ -140,7 +139,7 @@ def install(conn: psycopg.Connection[tuple[object, ...]], *, from_migrations: bo
     migrations it lacks. Concurrent installers serialise on an advisory lock.
     """
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (_LOCK_KEY,))
+        conn.execute(query("schema_install_lock"))
         result = check(conn)
         match result.state:
             case SchemaState.CURRENT:

@@ -623,7 +623,7 @@ class Dispatcher:
                     self.dsn, autocommit=True, application_name="pepsi-dispatch-listen"
                 )
                 async with conn:
-                    await conn.execute("LISTEN workqueue")
+                    await conn.execute(query("workqueue_listen"))
                     delay = 1.0
                     self.wake.set()  # a (re)connection may have missed notifications
                     async for _ in conn.notifies():

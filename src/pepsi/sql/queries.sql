@@ -260,3 +260,21 @@ SET claims = d.claims + EXCLUDED.claims, claimed = d.claimed + EXCLUDED.claimed,
     paused_resumed = d.paused_resumed + EXCLUDED.paused_resumed,
     bodies_collected = d.bodies_collected + EXCLUDED.bodies_collected,
     started = EXCLUDED.started, updated = now();
+
+-- name: workqueue_notify
+-- Only writers outside the dispatcher's loop notify (P-3): repairs, once each.
+NOTIFY workqueue;
+
+-- name: workqueue_listen
+LISTEN workqueue;
+
+-- name: worker_asynchronous_commit
+-- W-2: a lost advance only repeats a stage, so workers commit without waiting.
+SET synchronous_commit = off;
+
+-- name: server_version
+SHOW server_version;
+
+-- name: schema_install_lock
+-- Concurrent installers serialise on this lock, held until the transaction ends.
+SELECT pg_advisory_xact_lock(hashtext('pepsi.schema'));

@@ -372,7 +372,7 @@ def run(config: Config, stage_name: str, dsn: str) -> int:
     def open_connection() -> Conn:
         conn = connect_worker(dsn, stage_name)
         if not config.postgres.worker_synchronous_commit:
-            conn.execute("SET synchronous_commit = off")
+            conn.execute(query("worker_asynchronous_commit"))
         return conn
 
     conn = open_connection()
