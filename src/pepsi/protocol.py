@@ -5,7 +5,11 @@
                                     in input order: "0" or a non-zero integer,
                                     optionally " " + a JSON report of the
                                     stages run in that pass:
-                                    [["<stage>", <microseconds>], ...]
+                                    [["<stage>", <microseconds>(, "<outcome>")], ...]
+
+The outcome (advance, finish, pause, retry, fail) is optional and only feeds
+the per-stage counters; an outcome this build does not know is ignored, so a
+newer worker costs an older dispatcher a counter, not the report.
 
 Only an unreadable status is fatal (it desynchronises the positional
 protocol); an unreadable report is dropped with a warning.
@@ -17,8 +21,10 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 READY = b"ready"
+OUTCOMES = frozenset({"advance", "finish", "pause", "retry", "fail"})
 _STATUS = re.compile(rb"(-?\d{1,9})(?: (.*))?")
 
 
@@ -26,10 +32,18 @@ class ProtocolError(Exception):
     """A line the other side cannot have meant: the worker must be torn down."""
 
 
+class Pass(NamedTuple):
+    """One stage run in a worker pass, as its report names it."""
+
+    stage: str
+    micros: int
+    outcome: str | None = None
+
+
 @dataclass(frozen=True)
 class StatusLine:
     status: int
-    report: tuple[tuple[str, int], ...] | None = None  # None: no (readable) report
+    report: tuple[Pass, ...] | None = None  # None: no (readable) report
     report_error: str | None = None  # why a report present on the line was dropped
 
     @property
@@ -69,27 +83,30 @@ def parse_status(line: bytes) -> StatusLine:
         return StatusLine(status, None, f"unreadable report {raw_report[:80]!r}: {exc}")
 
 
-def _parse_report(value: object) -> tuple[tuple[str, int], ...]:
+def _parse_report(value: object) -> tuple[Pass, ...]:
     if not isinstance(value, list):
         raise TypeError("a report is a JSON list")
     entries = []
     for item in value:
         if (
             not isinstance(item, list)
-            or len(item) != 2
+            or len(item) not in (2, 3)
             or not isinstance(item[0], str)
             or not isinstance(item[1], int)
             or isinstance(item[1], bool)
             or item[1] < 0
+            or (len(item) == 3 and not isinstance(item[2], str))
         ):
-            raise TypeError(f"a report entry is [stage, microseconds], got {item!r}")
-        entries.append((item[0], item[1]))
+            raise TypeError(f"a report entry is [stage, microseconds, outcome?], got {item!r}")
+        outcome = item[2] if len(item) == 3 and item[2] in OUTCOMES else None
+        entries.append(Pass(item[0], item[1], outcome))
     return tuple(entries)
 
 
-def format_status(status: int, report: Sequence[tuple[str, int]] | None = None) -> bytes:
+def format_status(status: int, report: Sequence[Pass] | None = None) -> bytes:
     """A status line written by a worker."""
     if report is None:
         return b"%d\n" % status
-    body = json.dumps([[stage, micros] for stage, micros in report], separators=(",", ":"))
+    entries = [[p.stage, p.micros] + ([p.outcome] if p.outcome else []) for p in report]
+    body = json.dumps(entries, separators=(",", ":"))
     return b"%d %s\n" % (status, body.encode())

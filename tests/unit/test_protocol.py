@@ -5,6 +5,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pepsi.protocol import (
+    OUTCOMES,
+    Pass,
     ProtocolError,
     encode_ids,
     format_status,
@@ -41,7 +43,12 @@ def test_status_without_report() -> None:
 
 def test_status_with_report() -> None:
     line = parse_status(b'0 [["a",120],["b",30]]\n')
-    assert line.report == (("a", 120), ("b", 30))
+    assert line.report == (Pass("a", 120), Pass("b", 30))
+
+
+def test_report_names_outcomes_and_ignores_unknown_ones() -> None:
+    line = parse_status(b'0 [["a",120,"advance"],["b",30,"teleport"]]\n')
+    assert line.report == (Pass("a", 120, "advance"), Pass("b", 30, None))
 
 
 @pytest.mark.parametrize(
@@ -54,6 +61,8 @@ def test_status_with_report() -> None:
         b'[["a",1.5]]',
         b"[[1,2]]",
         b'[["a",true]]',
+        b'[["a",1,2]]',
+        b'[["a",1,"finish","x"]]',
     ],
 )
 def test_unreadable_report_is_dropped_not_fatal(report: bytes) -> None:
@@ -73,14 +82,16 @@ def test_unreadable_status_is_fatal(line: bytes) -> None:
     st.integers(min_value=-(10**8), max_value=10**8),
     st.none()
     | st.lists(
-        st.tuples(
+        st.builds(
+            Pass,
             st.text(alphabet="abcdefghijklmnopqrstuvwxyz-_0123456789", min_size=1, max_size=20),
             st.integers(min_value=0, max_value=10**12),
+            st.none() | st.sampled_from(sorted(OUTCOMES)),
         ),
         max_size=5,
     ),
 )
-def test_status_round_trips(status: int, report: list[tuple[str, int]] | None) -> None:
+def test_status_round_trips(status: int, report: list[Pass] | None) -> None:
     line = parse_status(format_status(status, report))
     assert line.status == status
     assert line.report == (None if report is None else tuple(report))

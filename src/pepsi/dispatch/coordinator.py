@@ -91,6 +91,7 @@ class Dispatcher:
         self.dsn = dsn
         self.pools = {name: StagePool(stage) for name, stage in config.stages.items()}
         self.wake = asyncio.Event()
+        self.wake_causes: set[str] = set()  # since the loop last slept (P-9)
         self.stopping = False
         self.rows = RowWriter(config.dispatch)
         options = config.dispatch
@@ -218,6 +219,15 @@ class Dispatcher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), timeout)
             self.wake.clear()
+            self._count_wakeup()
+
+    def _count_wakeup(self) -> None:
+        """P-9: each cause of this wakeup once; no cause means a deadline passed."""
+        causes, self.wake_causes = self.wake_causes, set()
+        if not causes:
+            causes = {"poll" if time.monotonic() >= self.next_poll else "timer"}
+        for cause in causes:
+            self.stats.wakeup(cause)
 
     async def _cycle(self) -> None:
         now = time.monotonic()
@@ -471,9 +481,13 @@ class Dispatcher:
 
     # ---- events from workers -------------------------------------------------
 
+    def _wake(self, cause: str) -> None:
+        self.wake_causes.add(cause)
+        self.wake.set()
+
     def _on_ready(self, worker: WorkerProcess) -> None:
         log.debug("stage %s: worker pid %s ready", worker.stage, worker.pid)
-        self.wake.set()  # the stage may start its next worker
+        self._wake("worker")  # the stage may start its next worker
 
     def _on_status(self, worker: WorkerProcess, wid: int, status: StatusLine) -> None:
         self.completed_total += 1
@@ -482,7 +496,7 @@ class Dispatcher:
                 "stage %s: worker pid %s: %s", worker.stage, worker.pid, status.report_error
             )
         if self.fair is not None:
-            micros = sum(m for _, m in status.report) if status.report else None
+            micros = sum(p.micros for p in status.report) if status.report else None
             self.fair.ledger(worker.stage).report(
                 wid, None if micros is None else micros / 1_000_000
             )
@@ -494,20 +508,13 @@ class Dispatcher:
             self.tempfail_from = worker.stage  # one halving per cycle, not per id
         elif not status.ok:
             log.info("stage %s: message %d ended with status %d", worker.stage, wid, status.status)
-        self.wake.set()
+        self._wake("worker")
 
     def _count_status(self, stage: str, status: StatusLine) -> None:
         """P-9: a worker pass; fused stages count one by one from its report."""
         self.stats.count("stages_executed")
-        if status.status in (EX_IOERR, EX_TEMPFAIL):
-            return  # not processed: paused or requeued
-        if not status.report:
-            self.stats.stage(stage, "processed" if status.ok else "failed")
-            return
-        for position, (name, micros) in enumerate(status.report, start=1):
-            self.stats.stage(name, "busy_us", micros)
-            last_failed = not status.ok and position == len(status.report)
-            self.stats.stage(name, "failed" if last_failed else "processed")
+        if status.status not in (EX_IOERR, EX_TEMPFAIL):  # those were not processed
+            self.stats.passes(stage, status.ok, status.report)
 
     def _tempfail(self, stage: str) -> None:
         now = time.monotonic()
@@ -517,6 +524,7 @@ class Dispatcher:
             self.caps, running, parallelism, now=now,
             window=self.config.dispatch.tempfail_window,
         )  # fmt: skip
+        self.stats.count("backpressure_events")
         if halved is not None:
             log.warning(
                 "stage %s: worker out of database connections (75); stage %s limited to %d "
@@ -527,6 +535,7 @@ class Dispatcher:
     def _on_exit(self, worker: WorkerProcess, exit_: Exit) -> None:
         pool = self.pools[worker.stage]
         pool.workers.pop(worker.key, None)
+        self.stats.count("workers_retired" if exit_.expected else "workers_crashed")
         if exit_.expected:
             self._requeue(worker.stage, exit_.unanswered)
             log.debug("stage %s: worker pid %s stopped", worker.stage, worker.pid)
@@ -549,7 +558,8 @@ class Dispatcher:
             self._charge_timeout(worker.stage, head, timed_out=worker.timed_out)
             self.rows.strike(worker.stage, head, kind, f"worker {exit_.reason}")
             self.stats.stage(worker.stage, "strikes")
-            self.stats.count("workers_crashed")
+            if worker.timed_out:
+                self.stats.stage(worker.stage, "timed_out")
             self._requeue(worker.stage, exit_.unanswered[1:])
             log.error(
                 "stage %s: worker pid %s %s holding message %d",
@@ -566,7 +576,7 @@ class Dispatcher:
             )  # fmt: skip
         else:
             log.warning("stage %s: worker pid %s %s", worker.stage, worker.pid, exit_.reason)
-        self.wake.set()
+        self._wake("worker")
 
     def _charge_timeout(self, stage: str, wid: int, *, timed_out: bool) -> None:
         """A struck message used its worker: MAX_RUNTIME if it hung, else its debit (P-5)."""
@@ -625,9 +635,9 @@ class Dispatcher:
                 async with conn:
                     await conn.execute(query("workqueue_listen"))
                     delay = 1.0
-                    self.wake.set()  # a (re)connection may have missed notifications
+                    self._wake("notify")  # a (re)connection may have missed notifications
                     async for _ in conn.notifies():
-                        self.wake.set()
+                        self._wake("notify")
             except psycopg.OperationalError as exc:
                 log.warning("listener: %s; reconnecting in %.0fs", one_line(exc), delay)
                 await asyncio.sleep(delay)

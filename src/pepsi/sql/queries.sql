@@ -237,21 +237,31 @@ ORDER BY workqueue_id;
 -- name: stats_flush
 -- P-9: every counter delta in one statement (one transaction).
 WITH stage_delta AS (
-    INSERT INTO pepsi.stage_stats AS s (stage, processed, failed, strikes, requeued, busy_us)
+    INSERT INTO pepsi.stage_stats AS s
+        (stage, processed, failed, strikes, requeued, busy_us,
+         finished, advanced, paused, retries, timed_out)
     SELECT * FROM unnest(%(stages)s::text[], %(processed)s::bigint[], %(failed)s::bigint[],
-                         %(strikes)s::bigint[], %(requeued)s::bigint[], %(busy_us)s::bigint[])
+                         %(strikes)s::bigint[], %(requeued)s::bigint[], %(busy_us)s::bigint[],
+                         %(finished)s::bigint[], %(advanced)s::bigint[], %(paused)s::bigint[],
+                         %(retries)s::bigint[], %(timed_out)s::bigint[])
     ON CONFLICT (stage) DO UPDATE
     SET processed = s.processed + EXCLUDED.processed, failed = s.failed + EXCLUDED.failed,
         strikes = s.strikes + EXCLUDED.strikes, requeued = s.requeued + EXCLUDED.requeued,
-        busy_us = s.busy_us + EXCLUDED.busy_us, updated = now()
+        busy_us = s.busy_us + EXCLUDED.busy_us, finished = s.finished + EXCLUDED.finished,
+        advanced = s.advanced + EXCLUDED.advanced, paused = s.paused + EXCLUDED.paused,
+        retries = s.retries + EXCLUDED.retries, timed_out = s.timed_out + EXCLUDED.timed_out,
+        updated = now()
     RETURNING 1
 )
 INSERT INTO pepsi.dispatch_stats AS d
     (name, claims, claimed, stages_executed, workers_started, workers_crashed, paused_resumed,
-     bodies_collected, started)
+     bodies_collected, wakeups_notify, wakeups_worker, wakeups_poll, wakeups_timer,
+     workers_retired, backpressure_events, started)
 VALUES ('pepsi-dispatch', %(d_claims)s, %(d_claimed)s, %(d_stages_executed)s,
         %(d_workers_started)s, %(d_workers_crashed)s, %(d_paused_resumed)s,
-        %(d_bodies_collected)s, %(started)s)
+        %(d_bodies_collected)s, %(d_wakeups_notify)s, %(d_wakeups_worker)s,
+        %(d_wakeups_poll)s, %(d_wakeups_timer)s, %(d_workers_retired)s,
+        %(d_backpressure_events)s, %(started)s)
 ON CONFLICT (name) DO UPDATE
 SET claims = d.claims + EXCLUDED.claims, claimed = d.claimed + EXCLUDED.claimed,
     stages_executed = d.stages_executed + EXCLUDED.stages_executed,
@@ -259,6 +269,12 @@ SET claims = d.claims + EXCLUDED.claims, claimed = d.claimed + EXCLUDED.claimed,
     workers_crashed = d.workers_crashed + EXCLUDED.workers_crashed,
     paused_resumed = d.paused_resumed + EXCLUDED.paused_resumed,
     bodies_collected = d.bodies_collected + EXCLUDED.bodies_collected,
+    wakeups_notify = d.wakeups_notify + EXCLUDED.wakeups_notify,
+    wakeups_worker = d.wakeups_worker + EXCLUDED.wakeups_worker,
+    wakeups_poll = d.wakeups_poll + EXCLUDED.wakeups_poll,
+    wakeups_timer = d.wakeups_timer + EXCLUDED.wakeups_timer,
+    workers_retired = d.workers_retired + EXCLUDED.workers_retired,
+    backpressure_events = d.backpressure_events + EXCLUDED.backpressure_events,
     started = EXCLUDED.started, updated = now();
 
 -- name: workqueue_notify

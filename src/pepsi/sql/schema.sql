@@ -144,7 +144,13 @@ CREATE TABLE pepsi.stage_stats (
     strikes            bigint NOT NULL DEFAULT 0,   -- crashes and hangs charged
     requeued           bigint NOT NULL DEFAULT 0,   -- given back without running
     busy_us            bigint NOT NULL DEFAULT 0,   -- worker time spent
-    updated            timestamptz NOT NULL DEFAULT now()
+    updated            timestamptz NOT NULL DEFAULT now(),
+    -- by the outcome a worker names in its report (a program naming none counts only above)
+    finished           bigint NOT NULL DEFAULT 0,   -- row deleted: the pipeline's end
+    advanced           bigint NOT NULL DEFAULT 0,   -- moved on to another stage
+    paused             bigint NOT NULL DEFAULT 0,   -- paused by the stage itself
+    retries            bigint NOT NULL DEFAULT 0,   -- paused after a host failure
+    timed_out          bigint NOT NULL DEFAULT 0    -- killed past MAX_RUNTIME
 );
 
 CREATE TABLE pepsi.dispatch_stats (
@@ -157,7 +163,13 @@ CREATE TABLE pepsi.dispatch_stats (
     paused_resumed     bigint NOT NULL DEFAULT 0,
     bodies_collected   bigint NOT NULL DEFAULT 0,
     started            timestamptz,
-    updated            timestamptz NOT NULL DEFAULT now()
+    updated            timestamptz NOT NULL DEFAULT now(),
+    wakeups_notify     bigint NOT NULL DEFAULT 0,   -- NOTIFY workqueue
+    wakeups_worker     bigint NOT NULL DEFAULT 0,   -- a worker answered, started or exited
+    wakeups_poll       bigint NOT NULL DEFAULT 0,   -- the POLL_INTERVAL heartbeat
+    wakeups_timer      bigint NOT NULL DEFAULT 0,   -- a deadline: paused row due, MAX_RUNTIME, idle worker
+    workers_retired    bigint NOT NULL DEFAULT 0,   -- stopped on purpose: idle, recycled, shutdown
+    backpressure_events bigint NOT NULL DEFAULT 0   -- 75 answers: a stage's cap halved
 );
 
 -- D-5: per-address overrides of stage options (W-9).

@@ -40,7 +40,7 @@ from pepsi.errors import (
     DatabaseUnavailable,
     database_exit_code,
 )
-from pepsi.protocol import READY, format_status
+from pepsi.protocol import READY, Pass, format_status
 from pepsi.stage import Advance, Finish, Message, Needs, Pause, PermanentError, needs_of
 from pepsi.worker.reader import IdReader
 
@@ -95,7 +95,8 @@ class Batch:
 
     finished: list[int] = field(default_factory=list)
     updates: list[dict[str, Any]] = field(default_factory=list)
-    statuses: dict[int, bytes] = field(default_factory=dict)
+    statuses: dict[int, int] = field(default_factory=dict)
+    outcomes: dict[int, str] = field(default_factory=dict)  # for the report (P-9)
 
 
 class StageRunner:
@@ -223,7 +224,7 @@ class StageRunner:
             msg = messages.get(wid)
             if msg is None:
                 # No longer running here (moved by a repair command): nothing to do.
-                batch.statuses[wid] = format_status(0)
+                batch.statuses[wid] = 0
                 continue
             t0 = time.perf_counter_ns()
             self._run_one(msg, batch)
@@ -241,13 +242,12 @@ class StageRunner:
         overhead = (time.perf_counter_ns() - started - sum(spent.values())) // max(1, len(ids))
         lines = []
         for wid in ids:
+            report = None
             if wid in spent:
                 micros = (spent[wid] + overhead) // 1000
-                status = batch.statuses[wid]
-                lines.append(status.rstrip(b"\n") + b" " + _report(self.stage.name, micros))
-            else:
-                lines.append(batch.statuses[wid].rstrip(b"\n"))
-        return b"\n".join(lines) + b"\n"
+                report = [Pass(self.stage.name, micros, batch.outcomes.get(wid))]
+            lines.append(format_status(batch.statuses[wid], report))
+        return b"".join(lines)
 
     def _call(self, msg: Message) -> Any:
         result = self.func(msg)
@@ -280,6 +280,7 @@ class StageRunner:
                 target = to or self.stage.next
                 if target is None:
                     batch.finished.append(msg.id)
+                    batch.outcomes[msg.id] = "finish"
                 elif target not in self.config.stages:
                     self._host_failure(msg, f"advance to unknown stage {target!r}", batch)
                     return
@@ -288,15 +289,18 @@ class StageRunner:
                     if target != msg.stage:  # retry and strike counts are per stage
                         state = {k: v for k, v in state.items() if k not in PER_STAGE}
                     batch.updates.append(_update(msg.id, target, "pending", state))
+                    batch.outcomes[msg.id] = "advance"
             case Finish():
                 batch.finished.append(msg.id)
+                batch.outcomes[msg.id] = "finish"
             case Pause(until=until, reason=reason):
                 state = {**msg.state, "pause_reason": reason} if reason else msg.state
                 batch.updates.append(_update(msg.id, msg.stage, "paused", state, until))
+                batch.outcomes[msg.id] = "pause"
             case _:
                 self._host_failure(msg, f"stage returned {outcome!r}, not an outcome", batch)
                 return
-        batch.statuses[msg.id] = format_status(0)
+        batch.statuses[msg.id] = 0
 
     def _host_failure(self, msg: Message, error: str, batch: Batch) -> None:
         decision = policy.on_host_failure(
@@ -327,7 +331,11 @@ class StageRunner:
             _update(msg.id, decision.stage, decision.status, decision.state, decision.timeout)
         )
         failed = decision.status == "failed"
-        batch.statuses[msg.id] = format_status(STATUS_FAILED if failed else 0)
+        batch.statuses[msg.id] = STATUS_FAILED if failed else 0
+        # paused: a retry after a host failure; pending: bounced on to BOUNCE_STAGE
+        batch.outcomes[msg.id] = {"failed": "fail", "paused": "retry"}.get(
+            decision.status, "advance"
+        )
 
 
 def _check_state(msg: Message, loaded: str, *, quiet: bool = False) -> None:
@@ -354,10 +362,6 @@ def _update(
         "timeout": timeout.isoformat() if timeout else None,
         "state": state,
     }
-
-
-def _report(stage: str, micros: int) -> bytes:
-    return b'[["%s",%d]]' % (stage.encode(), micros)
 
 
 def run(config: Config, stage_name: str, dsn: str) -> int:
