@@ -64,6 +64,7 @@ class DispatchOptions:
     db_error_pause: float = 30.0  # status 74: how long the message pauses
     tempfail_window: float = 300.0  # status 75: how long a halved cap lasts
     start_cooldown: float = 5.0  # a stage's rest after a worker died before ready
+    metrics_address: tuple[str, int] | None = None  # Prometheus endpoint; off by default
 
 
 def default_data_dir() -> Path:
@@ -287,6 +288,18 @@ def _text(text: str) -> str:
     return value
 
 
+def _listen_address(text: str) -> tuple[str, int] | None:
+    """HOST:PORT (an IPv6 host in brackets), or `off`; port 0 picks a free one."""
+    value = text.strip()
+    if value.lower() in ("", "off", "no"):
+        return None
+    host, sep, port = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT such as 127.0.0.1:9464, or off; got {text!r}")
+    return host, int(port)
+
+
 def _path(text: str) -> Path:
     return Path(_text(text)).expanduser()
 
@@ -339,6 +352,7 @@ DISPATCH_KEYS: Spec = {
     "DB_ERROR_PAUSE": ("db_error_pause", _duration()),
     "TEMPFAIL_WINDOW": ("tempfail_window", _duration()),
     "START_COOLDOWN": ("start_cooldown", _duration()),
+    "METRICS_ADDRESS": ("metrics_address", _listen_address),
 }
 POSTGRES_KEYS: Spec = {
     "DSN": ("dsn", _text),

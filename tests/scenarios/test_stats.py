@@ -71,7 +71,7 @@ def test_counters_match_the_events(pipeline: Pipeline, admin_dsn: str) -> None:
     # each then runs alone to find the culprit)
     assert d["workers_crashed"] >= 6
     assert d["workers_started"] >= 8  # the first of each stage and one per strike
-    assert d["wakeups_worker"] >= 45  # at least one per status line or exit
+    assert d["wakeups_worker"] > 0  # status lines read together wake the loop once
     assert d["wakeups_notify"] >= 1  # the listener's (re)connection
     assert d["paused_resumed"] == 6  # 2 + 2 strikes (the third ends it) and 2 retries
 

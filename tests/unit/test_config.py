@@ -263,3 +263,27 @@ def test_overlay_errors_name_the_overlay(tmp_path: Path) -> None:
         parse_config(merged)
     with pytest.raises(ConfigError, match="not reloadable"):
         merge_overlay(raw, [("pepsi-dispatch", "POLL_INTERVAL", "1s")])
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("127.0.0.1:9464", ("127.0.0.1", 9464)),
+        ("[::1]:0", ("::1", 0)),
+        ("localhost:9464", ("localhost", 9464)),
+        ("off", None),
+    ],
+)
+def test_metrics_address(tmp_path: Path, value: str, expected: tuple[str, int] | None) -> None:
+    config = load(tmp_path, f"[pepsi-dispatch]\nMETRICS_ADDRESS = {value}\n")
+    assert config.dispatch.metrics_address == expected
+
+
+@pytest.mark.parametrize("value", ["9464", "host:", ":9464", "host:port", "host:70000"])
+def test_metrics_address_errors(tmp_path: Path, value: str) -> None:
+    message = error(tmp_path, f"[pepsi-dispatch]\nMETRICS_ADDRESS = {value}\n")
+    assert "[pepsi-dispatch] METRICS_ADDRESS: expected HOST:PORT" in message
+
+
+def test_metrics_are_off_by_default(tmp_path: Path) -> None:
+    assert load(tmp_path, "").dispatch.metrics_address is None

@@ -30,10 +30,19 @@ from pepsi.db import schema
 from pepsi.db.connect import one_line
 from pepsi.db.queries import query
 from pepsi.dispatch import backpressure, fairness, pools
+from pepsi.dispatch.metrics import Gauges, MetricsServer, Snapshot
 from pepsi.dispatch.rows import RowWriter
 from pepsi.dispatch.stats import Stats
 from pepsi.dispatch.workers import Exit, WorkerProcess, resolve_program
-from pepsi.errors import EX_CONFIG, EX_IOERR, EX_OK, EX_TEMPFAIL, DatabaseUnavailable, PepsiError
+from pepsi.errors import (
+    EX_CONFIG,
+    EX_IOERR,
+    EX_OK,
+    EX_TEMPFAIL,
+    ConfigError,
+    DatabaseUnavailable,
+    PepsiError,
+)
 from pepsi.protocol import StatusLine
 
 log = logging.getLogger("pepsi.dispatch")
@@ -127,8 +136,10 @@ class Dispatcher:
             self.conn = await self._connect_locked(initial=True)
         except _StopRequested:
             return EX_OK
+        metrics = None
         try:
             await self._start_checks(self.conn)
+            metrics = self._serve_metrics()
             listener = loop.create_task(self._listen())
             try:
                 await self._run()
@@ -136,6 +147,8 @@ class Dispatcher:
                 listener.cancel()
                 await self._shutdown()
         finally:
+            if metrics is not None:
+                metrics.close()
             if self.conn is not None:
                 await self.conn.close()
         log.info(
@@ -145,6 +158,40 @@ class Dispatcher:
             self.claims_total,
         )
         return EX_OK
+
+    def _serve_metrics(self) -> MetricsServer | None:
+        address = self.config.dispatch.metrics_address
+        if address is None:
+            return None
+        try:
+            server = MetricsServer(address, self._metrics_snapshot, list(self.pools))
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {address[0]}:{address[1]}: {exc.strerror or exc}",
+                section="pepsi-dispatch",
+                key="METRICS_ADDRESS",
+            ) from None
+        log.info("metrics at %s", server.url)
+        return server
+
+    def _metrics_snapshot(self) -> Snapshot:
+        """Counters since start and the pools' gauges, taken on the loop."""
+        now = time.monotonic()
+        return Snapshot(
+            self.stats.snapshot(),
+            Gauges(
+                workers={name: len(pool.workers) for name, pool in self.pools.items()},
+                in_flight={
+                    name: sum(len(w.inflight) for w in pool.workers.values())
+                    for name, pool in self.pools.items()
+                },
+                worker_limit={
+                    name: pool.limit(backpressure.limit_for(self.caps, name, now))
+                    for name, pool in self.pools.items()
+                },
+                started=self.started_at.timestamp(),
+            ),
+        )
 
     def request_stop(self) -> None:
         if not self.stopping:
