@@ -16,6 +16,7 @@ from pepsi.commands import (
     ingress_cmd,
     queue_cmd,
     setup_cmd,
+    top_cmd,
     worker_cmd,
 )
 
@@ -29,5 +30,6 @@ COMMANDS: tuple[Register, ...] = (
     ingress_cmd.register,
     bouncer_cmd.register,
     queue_cmd.register,
+    top_cmd.register,
     worker_cmd.register,
 )

@@ -294,3 +294,22 @@ SHOW server_version;
 -- name: schema_install_lock
 -- Concurrent installers serialise on this lock, held until the transaction ends.
 SELECT pg_advisory_xact_lock(hashtext('pepsi.schema'));
+
+-- name: top_stage_stats
+-- `pepsi top`: the cumulative counters it turns into rates (one row per stage).
+SELECT stage, processed, failed, finished, advanced, retries, strikes FROM pepsi.stage_stats;
+
+-- name: top_dispatch_stats
+-- `pepsi top`: claim counters and the last flush, with the server's clock so the
+-- flush age does not depend on the client's; one row even before any flush.
+SELECT now(), d.claims, d.claimed, d.updated
+FROM (SELECT 1) AS one
+LEFT JOIN LATERAL (
+    SELECT claims, claimed, updated FROM pepsi.dispatch_stats ORDER BY updated DESC LIMIT 1
+) d ON true;
+
+-- name: top_workers
+-- `pepsi top`: each worker process holds one connection named pepsi-worker:<stage>.
+SELECT application_name, count(*) FROM pg_stat_activity
+WHERE datname = current_database() AND application_name LIKE 'pepsi-worker:%'
+GROUP BY 1;

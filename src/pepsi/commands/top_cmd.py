@@ -1,0 +1,259 @@
+"""`pepsi top`: a live view of the pipeline, refreshed every --interval.
+
+Per stage: backlog, in flight, paused, failed and timed-out rows, connected
+workers, and per-second rates of the dispatcher's counters; a header with the
+dispatcher's state. On a terminal the view redraws in place until Ctrl-C;
+piped, or with --json, it prints one frame per refresh (--json: one object
+per line). --count N stops after N refreshes.
+
+Each refresh is a few cheap reads on one connection (a GROUP BY over the
+queue, the one-row-per-stage stats tables, pg_stat_activity, pg_locks). The
+rates come from the counters the dispatcher flushes every STATS_INTERVAL and
+whenever the pipeline goes idle, so they are as fresh as the last flush.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+
+from pepsi.db import connect, schema
+from pepsi.db.queries import query
+from pepsi.durations import format_duration, parse_duration
+from pepsi.errors import EX_OK, EX_USAGE, DatabaseUnavailable, PepsiError
+from pepsi.top import RATED, DispatchCounters, Frame, Sample, StageCounters, frame
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+    from pepsi.cli import Context
+    from pepsi.config import Config
+
+WORKER_PREFIX = "pepsi-worker:"  # each worker's connection is named after its stage
+NO_RATE = "–"  # first frame, or a counter that was reset
+
+
+class _Usage(PepsiError):
+    exit_code = EX_USAGE
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "top",
+        help="live view: backlog, workers and rates per stage",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--interval",
+        default="1",
+        metavar="SECONDS",
+        help="time between refreshes (a number of seconds or a duration: 500ms, 2s; default 1)",
+    )
+    parser.add_argument("--count", type=int, metavar="N", help="stop after N refreshes")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line per refresh")
+    parser.set_defaults(handler=run_top)
+
+
+def _interval(text: str) -> float:
+    # Parsed here rather than by argparse so a mistake is one line, like other usage errors.
+    try:
+        seconds = parse_duration(text)
+    except ValueError:
+        raise _Usage(f"--interval wants a positive number of seconds, got {text!r}") from None
+    if seconds <= 0:
+        raise _Usage(f"--interval must be greater than 0, got {text!r}")
+    return seconds
+
+
+def run_top(args: argparse.Namespace, ctx: Context) -> int:
+    interval = _interval(args.interval)
+    if args.count is not None and args.count < 1:
+        raise _Usage(f"--count must be at least 1, got {args.count}")
+    config = ctx.config()
+    stages = list(config.stages)
+    try:
+        with _connect(config) as conn:
+            frames = _frames(conn, stages, interval, args.count)
+            if args.json:
+                _print_json(frames, config)
+            elif sys.stdout.isatty():
+                _show_live(frames, config)
+            else:
+                _print_frames(frames, config)
+    except KeyboardInterrupt:
+        return EX_OK  # Ctrl-C is how a live view is meant to end
+    except psycopg.Error as exc:
+        raise DatabaseUnavailable(f"reading the queue failed: {connect.one_line(exc)}") from None
+    return EX_OK
+
+
+def _connect(config: Config) -> psycopg.Connection[tuple[object, ...]]:
+    target = connect.resolve(config)
+    conn = connect.connect(
+        target.dsn, timeout=config.postgres.connect_timeout, application_name="pepsi-top"
+    )
+    try:
+        schema.require_current(conn)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _frames(
+    conn: psycopg.Connection[Any], stages: list[str], interval: float, count: int | None
+) -> Iterator[Frame]:
+    previous: Sample | None = None
+    deadline = time.monotonic()
+    shown = 0
+    while True:
+        current = read_sample(conn)
+        yield frame(previous, current, stages)
+        shown += 1
+        if count is not None and shown >= count:
+            return
+        previous = current
+        # Keep to the interval's grid, but never try to catch up after a slow read.
+        deadline = max(deadline + interval, time.monotonic())
+        time.sleep(max(0.0, deadline - time.monotonic()))
+
+
+def read_sample(conn: psycopg.Connection[Any]) -> Sample:
+    """One read of everything a frame shows (autocommit: each query its own snapshot)."""
+    counts: dict[str, dict[str, int]] = {}
+    for stage, status, n in conn.execute(query("queue_status_counts")):
+        counts.setdefault(str(stage), {})[str(status)] = int(n)
+    at = time.monotonic()  # just before the counters are read: rates divide by this
+    stage_stats: dict[str, StageCounters] = {}
+    for stage, *values in conn.execute(query("top_stage_stats")):
+        processed, failed, finished, advanced, retries, strikes = map(int, values)
+        stage_stats[str(stage)] = StageCounters(
+            processed=processed, failed=failed, finished=finished,
+            advanced=advanced, retries=retries, strikes=strikes,
+        )  # fmt: skip
+    row = conn.execute(query("top_dispatch_stats")).fetchone()
+    assert row is not None  # one row even when the table is empty
+    now, claims, claimed, updated = row
+    dispatch = DispatchCounters(int(claims or 0), int(claimed or 0), updated)
+    workers: dict[str, int] = {}
+    for name, n in conn.execute(query("top_workers")):
+        stage = str(name).removeprefix(WORKER_PREFIX)
+        workers[stage] = workers.get(stage, 0) + int(n)
+    holder = conn.execute(query("dispatcher_lock_holder")).fetchone()  # reads pg_locks only
+    return Sample(
+        at=at,
+        now=now,
+        counts=counts,
+        stage_stats=stage_stats,
+        dispatch=dispatch,
+        workers=workers,
+        dispatcher_pid=None if holder is None else int(holder[0]),
+    )
+
+
+def _print_json(frames: Iterator[Frame], config: Config) -> None:
+    for item in frames:
+        data = item.as_dict()
+        data["stats_interval_s"] = config.dispatch.stats_interval
+        sys.stdout.write(json.dumps(data) + "\n")
+        sys.stdout.flush()  # a reader at the other end of a pipe sees each frame at once
+
+
+def _print_frames(frames: Iterator[Frame], config: Config) -> None:
+    from pepsi.terminal import console  # noqa: PLC0415  # rich loads slowly
+
+    out = console()
+    for item in frames:
+        out.print(render(item, config.dispatch.stats_interval))
+        sys.stdout.flush()
+
+
+def _show_live(frames: Iterator[Frame], config: Config) -> None:
+    from rich.live import Live  # noqa: PLC0415
+
+    from pepsi.terminal import console  # noqa: PLC0415
+
+    first = render(next(frames), config.dispatch.stats_interval, live=True)
+    with Live(first, console=console(), auto_refresh=False) as live:
+        for item in frames:
+            live.update(render(item, config.dispatch.stats_interval, live=True), refresh=True)
+
+
+def _rate(value: float | None) -> str:
+    if value is None:
+        return NO_RATE
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"  # tenths only where they matter
+
+
+def header(item: Frame) -> str:
+    """The dispatcher line: whether it runs, how fast it claims, when it last flushed."""
+    if item.dispatcher_pid is None:
+        state = "dispatcher: not running (no session holds its lock)"
+    else:
+        state = f"dispatcher: running (pid {item.dispatcher_pid})"
+    parts = [
+        state,
+        f"claims/s {_rate(item.claims_rate)}",
+        f"rows claimed/s {_rate(item.claimed_rate)}",
+    ]
+    age = item.flush_age
+    if item.last_flush is None or age is None:
+        parts.append("last stats flush: never")
+    else:
+        when = item.last_flush.astimezone().strftime("%H:%M:%S")
+        parts.append(f"last stats flush {when} ({format_duration(age)} ago)")
+    return " · ".join(parts)
+
+
+def footer(stats_interval: float, *, live: bool) -> str:
+    text = (
+        "rates: per-second change of pepsi.stage_stats/dispatch_stats between refreshes. The "
+        f"dispatcher flushes them every STATS_INTERVAL ({format_duration(stats_interval)} here) "
+        f"and when the pipeline goes idle: rates are as fresh as the last flush. "
+        f"{NO_RATE}: no rate yet."
+    )
+    return text + (" Ctrl-C quits." if live else "")
+
+
+# Short headings for the rates, to keep the table narrow.
+RATE_HEADINGS = {"processed": "proc/s", "failed": "fail/s", "finished": "fin/s",
+                 "advanced": "adv/s", "retries": "retry/s"}  # fmt: skip
+
+
+def render(item: Frame, stats_interval: float, *, live: bool = False) -> RenderableType:
+    from rich.console import Group  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
+
+    from pepsi.terminal import table  # noqa: PLC0415
+
+    counts = ("backlog", "running", "paused", "failed", "timeout", "workers")
+    grid = table("", "stage", *counts, *(RATE_HEADINGS[name] for name in RATED), "strikes",
+                 "retries")  # fmt: skip
+    # The box's blank divider alone separates the 14 columns: about 100 characters wide.
+    grid.padding = (0, 0)
+    grid.show_edge = False
+    for column in grid.columns[1:]:
+        column.justify = "right"
+        column.no_wrap = False  # a narrow terminal shortens these headings, not stage names
+    for row in item.stages:
+        grid.add_row(
+            Text(row.stage),  # as Text: a stage name is not rich markup
+            *(str(n) for n in (row.backlog, row.running, row.paused, row.failed, row.timeout)),
+            str(row.workers),
+            *(_rate(row.rates.get(name)) for name in RATED),
+            str(row.strikes),
+            str(row.retries),
+        )
+    body: RenderableType = grid if item.stages else Text("no stages: none configured, queue empty")
+    return Group(
+        Text(header(item), style="bold"),
+        body,
+        Text(footer(stats_interval, live=live), style="dim"),
+    )

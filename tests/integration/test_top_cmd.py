@@ -1,0 +1,121 @@
+"""`pepsi top`: frames read from a real queue, stats tables and sessions."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from pepsi.cli import main
+from pepsi.publishing import OutgoingMessage, Publisher
+
+CONF = "[stage-a]\nHANDLER = tests.stages:noop\n[stage-b]\nHANDLER = tests.stages:noop\n"
+LOCK = 1885696115  # the dispatcher's advisory lock (queries.sql: dispatcher_lock_try)
+
+
+@pytest.fixture
+def queue(
+    dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[psycopg.Connection[Any]]:
+    conf = tmp_path / "pepsi.conf"
+    conf.write_text(CONF)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PEPSI_DSN", dsn)
+    with Publisher.connect(conf, dsn) as publisher:
+        publisher.publish_many([OutgoingMessage("a", b"x")] * 3 + [OutgoingMessage("b", b"y")] * 2)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO pepsi.stage_stats (stage, processed, failed, finished, strikes, retries)"
+            " VALUES ('a', 40, 2, 30, 3, 1)"
+        )
+        yield conn
+
+
+def top(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["top", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_json_frames(queue: Any, dsn: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # A session holding the dispatcher's lock and one named as a worker of stage a,
+    # as the real ones are.
+    with (
+        psycopg.connect(dsn, autocommit=True) as dispatcher,
+        psycopg.connect(dsn, autocommit=True, application_name="pepsi-worker:a"),
+    ):
+        dispatcher.execute("SELECT pg_advisory_lock(%s)", (LOCK,))
+        pid = dispatcher.info.backend_pid
+        code, out, err = top(capsys, "--count", "2", "--interval", "0.2", "--json")
+    assert (code, err) == (0, "")
+    first, second = (json.loads(line) for line in out.splitlines())
+    for item in (first, second):
+        stages = {s["stage"]: s for s in item["stages"]}
+        assert list(stages) == ["a", "b"]
+        assert (stages["a"]["backlog"], stages["b"]["backlog"]) == (3, 2)  # as published
+        assert (stages["a"]["running"], stages["a"]["failed"]) == (0, 0)
+        assert (stages["a"]["workers"], stages["b"]["workers"]) == (1, 0)
+        assert (stages["a"]["strikes"], stages["a"]["retries"]) == (3, 1)
+        assert item["dispatcher"]["running"] is True
+        assert item["dispatcher"]["pid"] == pid
+        assert item["dispatcher"]["last_flush"] is None  # dispatch_stats is empty
+    assert first["elapsed_s"] is None
+    assert set(first["stages"][0]["rates"].values()) == {None}
+    assert first["dispatcher"]["claims_per_s"] is None
+    assert second["elapsed_s"] > 0
+    for stage in second["stages"]:
+        rates = stage["rates"]
+        assert set(rates) == {"processed", "failed", "finished", "advanced", "retries"}
+        assert all(isinstance(v, float) and v >= 0 for v in rates.values()), rates
+    assert second["dispatcher"]["claims_per_s"] == 0.0
+
+
+def test_dispatch_stats_and_no_dispatcher(
+    queue: psycopg.Connection[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    queue.execute("INSERT INTO pepsi.dispatch_stats (claims, claimed) VALUES (5, 50)")
+    code, out, _ = top(capsys, "--count", "1", "--json")
+    assert code == 0
+    (item,) = (json.loads(line) for line in out.splitlines())
+    assert item["dispatcher"]["running"] is False
+    assert item["dispatcher"]["last_flush"] is not None
+    assert item["dispatcher"]["flush_age_s"] >= 0
+
+
+def test_text_frames_when_not_a_terminal(queue: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = top(capsys, "--count", "2", "--interval", "0.2")
+    assert (code, err) == (0, "")
+    assert out.count("dispatcher: not running") == 2  # one frame per refresh
+    assert out.count("STATS_INTERVAL") == 2
+    first_words = [line.split()[0] for line in out.splitlines() if line.strip()]
+    assert (first_words.count("a"), first_words.count("b")) == (2, 2)  # a row per stage and frame
+    assert "–" in out  # the first frame has no rates
+
+
+def test_refusals(
+    queue: Any, empty_dsn: str, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    for args, message in (
+        (["--interval", "0"], "--interval must be greater than 0"),
+        (["--interval", "-1"], "--interval wants a positive number"),
+        (["--interval", "soon"], "--interval wants a positive number"),
+        (["--count", "0"], "--count must be at least 1"),
+    ):
+        code, out, err = top(capsys, *args)
+        assert code == 2, args
+        assert message in err
+        assert (out, err.count("\n")) == ("", 1)
+    monkeypatch.setenv("PEPSI_DSN", empty_dsn)
+    code, _, err = top(capsys, "--count", "1")
+    assert code == 78  # schema missing
+    assert err.count("\n") == 1
+    monkeypatch.setenv("PEPSI_DSN", "postgresql://127.0.0.1:1/nowhere?connect_timeout=1")
+    code, _, err = top(capsys, "--count", "1")
+    assert code == 1
+    assert "cannot connect to the database" in err
+    assert err.count("\n") == 1
