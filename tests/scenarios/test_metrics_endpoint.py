@@ -32,6 +32,7 @@ def test_scrape_counts_a_run_without_waiting_for_a_flush(pipeline: Pipeline) -> 
     # the endpoint reads the dispatcher's memory, not the stats tables.
     pipeline.configure(STAGES, METRICS_ADDRESS="127.0.0.1:0", STATS_INTERVAL="10m")
     dispatcher = pipeline.start()
+    wait_until(lambda: "metrics at" in dispatcher.log, what="the metrics endpoint")
     match = re.search(r"metrics at (http://\S+)", dispatcher.log)
     assert match, dispatcher.log
     url = match.group(1)
