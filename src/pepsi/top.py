@@ -1,18 +1,28 @@
-"""`pepsi top`'s arithmetic: from two successive reads to one frame of the view.
+"""`pepsi top`'s arithmetic: from successive reads to one frame of the view.
 
 Pure: no I/O and no rich, so the rates are tested without a database. The
 shell (`pepsi.commands.top_cmd`) reads a `Sample` per refresh and renders
-the `Frame` this module computes from the previous sample and the current one.
+the `Frame` this module computes.
+
+Counts are read live at each refresh; rates cannot be. The dispatcher writes
+its counters every STATS_INTERVAL and when it goes idle, so a difference
+between two refreshes reads 0/s for a minute and then a whole minute's work
+at once. A rate is therefore taken between the last two flushes the view has
+seen, by their own timestamps (`dispatch_stats.updated`, the server's clock):
+an average over the last flush window, steady under steady load. A busy
+dispatcher flushes at least every STATS_INTERVAL, so when no flush came for
+longer than that, nothing was counted since: the rates are 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 STATUSES = ("pending", "running", "paused", "failed", "timeout")
+FLUSH_SLACK = 2.0  # seconds past STATS_INTERVAL before a missing flush means "idle"
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,6 @@ class DispatchCounters:
 class Sample:
     """What one refresh read."""
 
-    at: float  # time.monotonic() when read: the elapsed time between samples
     now: datetime  # the server's clock, so the flush age does not depend on the client's
     counts: Mapping[str, Mapping[str, int]]  # stage -> status -> rows
     stage_stats: Mapping[str, StageCounters]
@@ -69,7 +78,7 @@ class StageRow:
 @dataclass(frozen=True)
 class Frame:
     now: datetime
-    elapsed: float | None  # seconds since the previous sample; None on the first frame
+    window: float | None  # seconds the rates average over; None: no rates yet
     dispatcher_pid: int | None
     claims_rate: float | None  # claim statements per second
     claimed_rate: float | None  # rows claimed per second
@@ -92,7 +101,7 @@ class Frame:
         age = self.flush_age
         return {
             "time": self.now.isoformat(),
-            "elapsed_s": _round(self.elapsed),
+            "rate_window_s": _round(self.window),
             "dispatcher": {
                 "running": self.dispatcher_running,
                 "pid": self.dispatcher_pid,
@@ -142,18 +151,36 @@ def all_stages(current: Sample, configured: list[str]) -> list[str]:
     return [*configured, *sorted(found - seen)]
 
 
-def frame(previous: Sample | None, current: Sample, stages: list[str]) -> Frame:
-    """One view: counts from `current`, rates from its difference to `previous`."""
-    elapsed = None if previous is None else current.at - previous.at
+def anchors(seen: Sequence[Sample], current: Sample) -> tuple[Sample, ...]:
+    """The last two samples that saw distinct flushes: the rates' window."""
+    flushed = current.dispatch.updated
+    if flushed is None or (seen and seen[-1].dispatch.updated == flushed):
+        return tuple(seen)
+    return (*seen[-1:], current)
+
+
+def frame(
+    seen: Sequence[Sample], current: Sample, stages: list[str], stats_interval: float
+) -> Frame:
+    """One view: counts from `current`, rates over the flush window in `seen` (see above)."""
+    previous, latest = (seen[-2], seen[-1]) if len(seen) >= 2 else (None, None)
+    window: float | None = None
+    age = _seconds_since_flush(current)
+    if age is not None and age > stats_interval + FLUSH_SLACK:
+        previous, latest = current, current  # nothing counted since the last flush: 0/s
+        window = age
+    elif previous is not None and latest is not None:
+        window = (_flushed(latest) - _flushed(previous)).total_seconds()
     rows = []
     for stage in all_stages(current, stages):
         counts = current.counts.get(stage, {})
         now = current.stage_stats.get(stage, StageCounters())
-        if previous is None:
+        if previous is None or latest is None:
             rates: dict[str, float | None] = dict.fromkeys(RATED)
         else:
             then = previous.stage_stats.get(stage, StageCounters())
-            rates = {name: rate(getattr(then, name), getattr(now, name), elapsed) for name in RATED}
+            end = latest.stage_stats.get(stage, StageCounters())
+            rates = {name: rate(getattr(then, name), getattr(end, name), window) for name in RATED}
         rows.append(
             StageRow(
                 stage=stage,
@@ -168,17 +195,27 @@ def frame(previous: Sample | None, current: Sample, stages: list[str]) -> Frame:
                 retries=now.retries,
             )
         )
-    before = previous.dispatch if previous is not None else None
+    before = None if previous is None else previous.dispatch
+    after = None if latest is None else latest.dispatch
     return Frame(
         now=current.now,
-        elapsed=elapsed,
+        window=window,
         dispatcher_pid=current.dispatcher_pid,
-        claims_rate=None
-        if before is None
-        else rate(before.claims, current.dispatch.claims, elapsed),
-        claimed_rate=(
-            None if before is None else rate(before.claimed, current.dispatch.claimed, elapsed)
-        ),
+        claims_rate=None if before is None or after is None
+        else rate(before.claims, after.claims, window),
+        claimed_rate=None if before is None or after is None
+        else rate(before.claimed, after.claimed, window),
         last_flush=current.dispatch.updated,
         stages=tuple(rows),
-    )
+    )  # fmt: skip
+
+
+def _flushed(item: Sample) -> datetime:
+    assert item.dispatch.updated is not None  # anchors() keeps only flushed samples
+    return item.dispatch.updated
+
+
+def _seconds_since_flush(current: Sample) -> float | None:
+    if current.dispatch.updated is None:
+        return None
+    return (current.now - current.dispatch.updated).total_seconds()

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,7 @@ from pepsi.cli import main
 from pepsi.publishing import OutgoingMessage, Publisher
 
 CONF = "[stage-a]\nHANDLER = tests.stages:noop\n[stage-b]\nHANDLER = tests.stages:noop\n"
+REPO = Path(__file__).resolve().parents[2]
 LOCK = 1885696115  # the dispatcher's advisory lock (queries.sql: dispatcher_lock_try)
 
 
@@ -63,15 +68,50 @@ def test_json_frames(queue: Any, dsn: str, capsys: pytest.CaptureFixture[str]) -
         assert item["dispatcher"]["running"] is True
         assert item["dispatcher"]["pid"] == pid
         assert item["dispatcher"]["last_flush"] is None  # dispatch_stats is empty
-    assert first["elapsed_s"] is None
-    assert set(first["stages"][0]["rates"].values()) == {None}
-    assert first["dispatcher"]["claims_per_s"] is None
-    assert second["elapsed_s"] > 0
-    for stage in second["stages"]:
-        rates = stage["rates"]
-        assert set(rates) == {"processed", "failed", "finished", "advanced", "retries"}
-        assert all(isinstance(v, float) and v >= 0 for v in rates.values()), rates
-    assert second["dispatcher"]["claims_per_s"] == 0.0
+        # no flush ever seen: no rates, however many refreshes
+        assert item["rate_window_s"] is None
+        assert set(item["stages"][0]["rates"].values()) == {None}
+        assert item["dispatcher"]["claims_per_s"] is None
+
+
+def test_rates_between_two_flushes(queue: psycopg.Connection[Any], tmp_path: Path) -> None:
+    """A running `pepsi top` sees a second flush and rates it over the flush window."""
+    (now,) = queue.execute("SELECT now()").fetchone() or (None,)
+    first_flush, second_flush = now - timedelta(seconds=20), now - timedelta(seconds=10)
+    queue.execute(
+        "INSERT INTO pepsi.dispatch_stats (claims, claimed, updated) VALUES (5, 50, %s)",
+        (first_flush,),
+    )
+    with subprocess.Popen(
+        [sys.executable, "-m", "pepsi", "top", "--json", "--interval", "0.1", "--count", "600"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())
+        assert first["rate_window_s"] is None  # one flush seen: nothing to rate yet
+        # What the dispatcher's next flush writes, in one transaction.
+        with queue.transaction():
+            queue.execute("UPDATE pepsi.stage_stats SET processed = processed + 30")
+            queue.execute(
+                "UPDATE pepsi.dispatch_stats SET claims = claims + 3, claimed = claimed + 30,"
+                " updated = %s",
+                (second_flush,),
+            )
+        seen = None
+        for line in proc.stdout:  # the frames until top has read the flush
+            if json.loads(line)["rate_window_s"] is not None:
+                seen = json.loads(line)
+                break
+        proc.kill()
+    assert seen is not None, "top ended without seeing the second flush"
+    item = seen
+    assert item["rate_window_s"] == 10.0  # flush to flush, not refresh to refresh
+    assert item["stages"][0]["rates"]["processed"] == 3.0
+    assert item["stages"][0]["rates"]["finished"] == 0.0
+    assert (item["dispatcher"]["claims_per_s"], item["dispatcher"]["claimed_per_s"]) == (0.3, 3.0)
 
 
 def test_dispatch_stats_and_no_dispatcher(

@@ -1,52 +1,67 @@
-"""`pepsi top`'s arithmetic: frames and rates from two samples, no database."""
+"""`pepsi top`'s arithmetic: frames, and rates over the flush window, no database."""
 
 from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
 
-from pepsi.top import DispatchCounters, Sample, StageCounters, frame, rate
+from pepsi.top import DispatchCounters, Sample, StageCounters, anchors, frame, rate
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+INTERVAL = 60.0  # STATS_INTERVAL
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
 
 
 def sample(
-    at: float,
+    now: float,
     *,
+    flushed: float | None = None,
     stats: dict[str, StageCounters] | None = None,
     counts: dict[str, dict[str, int]] | None = None,
-    dispatch: DispatchCounters | None = None,
+    claims: int = 0,
+    claimed: int = 0,
     workers: dict[str, int] | None = None,
     pid: int | None = None,
 ) -> Sample:
+    """A read at `now` seconds; the dispatcher last flushed at `flushed` seconds."""
     return Sample(
-        at=at,
-        now=T0 + timedelta(seconds=at),
+        now=at(now),
         counts=counts or {},
         stage_stats=stats or {},
-        dispatch=dispatch or DispatchCounters(),
+        dispatch=DispatchCounters(claims, claimed, None if flushed is None else at(flushed)),
         workers=workers or {},
         dispatcher_pid=pid,
     )
 
 
+def view(samples: list[Sample], stages: list[str]) -> tuple[tuple[Sample, ...], Sample]:
+    """Feed the samples as successive refreshes: (the window kept, the last one)."""
+    seen: tuple[Sample, ...] = ()
+    for item in samples:
+        seen = anchors(seen, item)
+    return seen, samples[-1]
+
+
 def test_first_frame_has_counts_but_no_rates() -> None:
     first = sample(
-        100.0,
+        30.0,
+        flushed=0.0,
         counts={"a": {"pending": 5, "running": 2, "paused": 1}, "b": {"failed": 3, "timeout": 4}},
         stats={"a": StageCounters(processed=10, strikes=2, retries=1)},
         workers={"a": 2},
         pid=4242,
-        dispatch=DispatchCounters(claims=7, claimed=70, updated=T0),
+        claims=7,
+        claimed=70,
     )
-    view = frame(None, first, ["a", "b"])
-    assert view.elapsed is None
-    assert view.claims_rate is None
-    assert view.claimed_rate is None
-    assert view.dispatcher_running
-    assert view.last_flush == T0
-    assert view.flush_age == 100.0
-    a, b = view.stages
+    result = frame(anchors((), first), first, ["a", "b"], INTERVAL)
+    assert result.window is None
+    assert (result.claims_rate, result.claimed_rate) == (None, None)
+    assert result.dispatcher_running
+    assert (result.last_flush, result.flush_age) == (T0, 30.0)
+    a, b = result.stages
     assert (a.stage, a.backlog, a.running, a.paused, a.failed, a.timeout) == ("a", 5, 2, 1, 0, 0)
     assert (a.workers, a.strikes, a.retries) == (2, 2, 1)
     assert set(a.rates) == {"processed", "failed", "finished", "advanced", "retries"}
@@ -54,56 +69,74 @@ def test_first_frame_has_counts_but_no_rates() -> None:
     assert (b.failed, b.timeout, b.workers) == (3, 4, 0)
 
 
-def test_rates_are_deltas_over_elapsed_time() -> None:
-    before = sample(
-        10.0,
-        stats={"a": StageCounters(processed=100, failed=1, finished=50, advanced=40, retries=2)},
-        dispatch=DispatchCounters(claims=10, claimed=100),
-    )
-    after = sample(
-        12.0,
-        stats={"a": StageCounters(processed=300, failed=5, finished=150, advanced=140, retries=2)},
-        dispatch=DispatchCounters(claims=14, claimed=300),
-    )
-    view = frame(before, after, ["a"])
-    assert view.elapsed == 2.0
-    assert dict(view.stages[0].rates) == {
-        "processed": 100.0, "failed": 2.0, "finished": 50.0, "advanced": 50.0, "retries": 0.0,
+def test_rates_span_the_last_two_flushes_not_the_refreshes() -> None:
+    before = StageCounters(processed=100, failed=1, finished=50, advanced=40, retries=2)
+    after = StageCounters(processed=700, failed=7, finished=350, advanced=340, retries=2)
+    samples = [
+        sample(1.0, flushed=0.0, stats={"a": before}, claims=10, claimed=100),
+        sample(2.0, flushed=0.0, stats={"a": before}, claims=10, claimed=100),  # no flush yet
+        sample(61.0, flushed=60.0, stats={"a": after}, claims=40, claimed=700),
+        sample(62.0, flushed=60.0, stats={"a": after}, claims=40, claimed=700),  # a refresh later
+    ]
+    seen, current = view(samples, ["a"])
+    result = frame(seen, current, ["a"], INTERVAL)
+    assert result.window == 60.0  # flush to flush, by the server's timestamps
+    # the same rates a refresh after the flush: no 0/s between flushes
+    assert dict(result.stages[0].rates) == {
+        "processed": 10.0, "failed": 0.1, "finished": 5.0, "advanced": 5.0, "retries": 0.0,
     }  # fmt: skip
-    assert (view.claims_rate, view.claimed_rate) == (2.0, 100.0)
-    assert view.dispatcher_running is False
-    assert view.last_flush is None
-    assert view.flush_age is None
+    assert (result.claims_rate, result.claimed_rate) == (0.5, 10.0)
+    assert result.dispatcher_running is False
+
+
+def test_no_flush_for_longer_than_the_interval_means_idle_zero() -> None:
+    busy = StageCounters(processed=500)
+    seen, current = view(
+        [sample(1.0, flushed=0.0, stats={"a": busy}), sample(63.0, flushed=0.0, stats={"a": busy})],
+        ["a"],
+    )
+    result = frame(seen, current, ["a"], INTERVAL)
+    assert result.stages[0].rates["processed"] == 0.0
+    assert result.claims_rate == 0.0
+    assert result.window == 63.0  # nothing counted since the last flush
+    # within the interval (plus slack) the missing flush proves nothing
+    seen, current = view([sample(61.0, flushed=0.0, stats={"a": busy})], ["a"])
+    assert frame(seen, current, ["a"], INTERVAL).stages[0].rates["processed"] is None
 
 
 def test_stage_without_stats_row_shows_zeros() -> None:
-    view = frame(sample(0.0), sample(1.0, counts={"a": {"pending": 3}}), ["a", "quiet"])
-    quiet = view.stages[1]
+    seen, current = view(
+        [sample(1.0, flushed=0.0), sample(11.0, flushed=10.0, counts={"a": {"pending": 3}})],
+        ["a", "quiet"],
+    )
+    quiet = frame(seen, current, ["a", "quiet"], INTERVAL).stages[1]
     assert quiet.stage == "quiet"
     assert (quiet.backlog, quiet.running, quiet.workers, quiet.strikes, quiet.retries) == (
         0, 0, 0, 0, 0,
     )  # fmt: skip
     assert set(quiet.rates.values()) == {0.0}
-    assert (view.claims_rate, view.claimed_rate) == (0.0, 0.0)  # no dispatch row: zeros too
+
+
+def test_a_dispatcher_that_never_flushed_gives_no_rates() -> None:
+    seen, current = view([sample(1.0), sample(100.0)], ["a"])
+    assert seen == ()
+    result = frame(seen, current, ["a"], INTERVAL)
+    assert result.stages[0].rates["processed"] is None
+    assert (result.window, result.last_flush, result.flush_age) == (None, None, None)
 
 
 def test_counter_that_went_backwards_gives_no_negative_rate() -> None:
-    before = sample(
-        0.0,
-        stats={"a": StageCounters(processed=500, finished=400)},
-        dispatch=DispatchCounters(claims=50),
+    seen, current = view(
+        [
+            sample(0.0, flushed=0.0, stats={"a": StageCounters(processed=500, finished=400)}),
+            # the stats table was reset, then counted a little again
+            sample(5.0, flushed=5.0, stats={"a": StageCounters(processed=20, finished=400)}),
+        ],
+        ["a"],
     )
-    after = sample(  # the stats table was reset, then counted a little again
-        1.0,
-        stats={"a": StageCounters(processed=20, finished=400)},
-        dispatch=DispatchCounters(claims=3),
-    )
-    view = frame(before, after, ["a"])
-    assert view.stages[0].rates["processed"] is None
-    assert view.stages[0].rates["finished"] == 0.0
-    assert view.claims_rate is None
-    gone = frame(before, sample(1.0), ["a"])  # the row deleted outright
-    assert gone.stages[0].rates["processed"] is None
+    result = frame(seen, current, ["a"], INTERVAL)
+    assert result.stages[0].rates["processed"] is None
+    assert result.stages[0].rates["finished"] == 0.0
     assert rate(5, 3, 1.0) is None
     assert rate(3, 5, 0.0) is None  # no time elapsed: nothing to divide by
 
@@ -115,23 +148,23 @@ def test_stages_found_in_the_tables_follow_the_configured_ones() -> None:
         stats={"retired": StageCounters(processed=1)},
         workers={"b": 1, "adhoc": 2},
     )
-    assert [row.stage for row in frame(None, current, ["b", "a"]).stages] == [
+    assert [row.stage for row in frame((), current, ["b", "a"], INTERVAL).stages] == [
         "b", "a", "adhoc", "retired", "zombie",
     ]  # fmt: skip
 
 
 def test_frame_as_json() -> None:
-    before = sample(0.0, stats={"a": StageCounters(processed=1)})
-    after = sample(
-        3.0,
-        stats={"a": StageCounters(processed=2)},
-        dispatch=DispatchCounters(updated=T0),
-        pid=7,
+    seen, current = view(
+        [
+            sample(0.0, flushed=0.0, stats={"a": StageCounters(processed=1)}),
+            sample(4.0, flushed=3.0, stats={"a": StageCounters(processed=2)}, pid=7),
+        ],
+        ["a"],
     )
-    data = json.loads(json.dumps(frame(before, after, ["a"]).as_dict()))
-    assert data["elapsed_s"] == 3.0
+    data = json.loads(json.dumps(frame(seen, current, ["a"], INTERVAL).as_dict()))
+    assert data["rate_window_s"] == 3.0
     assert data["dispatcher"] == {
         "running": True, "pid": 7, "claims_per_s": 0.0, "claimed_per_s": 0.0,
-        "last_flush": T0.isoformat(), "flush_age_s": 3.0,
+        "last_flush": at(3.0).isoformat(), "flush_age_s": 1.0,
     }  # fmt: skip
     assert data["stages"][0]["rates"]["processed"] == 0.333

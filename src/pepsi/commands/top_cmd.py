@@ -8,8 +8,8 @@ per line). --count N stops after N refreshes.
 
 Each refresh is a few cheap reads on one connection (a GROUP BY over the
 queue, the one-row-per-stage stats tables, pg_stat_activity, pg_locks). The
-rates come from the counters the dispatcher flushes every STATS_INTERVAL and
-whenever the pipeline goes idle, so they are as fresh as the last flush.
+rates are averages between the dispatcher's last two statistics flushes (see
+pepsi.top for why).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pepsi.db import connect, schema
 from pepsi.db.queries import query
 from pepsi.durations import format_duration, parse_duration
 from pepsi.errors import EX_OK, EX_USAGE, DatabaseUnavailable, PepsiError
-from pepsi.top import RATED, DispatchCounters, Frame, Sample, StageCounters, frame
+from pepsi.top import RATED, DispatchCounters, Frame, Sample, StageCounters, anchors, frame
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -80,7 +80,7 @@ def run_top(args: argparse.Namespace, ctx: Context) -> int:
     stages = list(config.stages)
     try:
         with _connect(config) as conn:
-            frames = _frames(conn, stages, interval, args.count)
+            frames = _frames(conn, stages, interval, args.count, config.dispatch.stats_interval)
             if args.json:
                 _print_json(frames, config)
             elif sys.stdout.isatty():
@@ -108,18 +108,22 @@ def _connect(config: Config) -> psycopg.Connection[tuple[object, ...]]:
 
 
 def _frames(
-    conn: psycopg.Connection[Any], stages: list[str], interval: float, count: int | None
+    conn: psycopg.Connection[Any],
+    stages: list[str],
+    interval: float,
+    count: int | None,
+    stats_interval: float,
 ) -> Iterator[Frame]:
-    previous: Sample | None = None
+    seen: tuple[Sample, ...] = ()  # the samples at the last two flushes: the rate window
     deadline = time.monotonic()
     shown = 0
     while True:
         current = read_sample(conn)
-        yield frame(previous, current, stages)
+        seen = anchors(seen, current)
+        yield frame(seen, current, stages, stats_interval)
         shown += 1
         if count is not None and shown >= count:
             return
-        previous = current
         # Keep to the interval's grid, but never try to catch up after a slow read.
         deadline = max(deadline + interval, time.monotonic())
         time.sleep(max(0.0, deadline - time.monotonic()))
@@ -130,7 +134,6 @@ def read_sample(conn: psycopg.Connection[Any]) -> Sample:
     counts: dict[str, dict[str, int]] = {}
     for stage, status, n in conn.execute(query("queue_status_counts")):
         counts.setdefault(str(stage), {})[str(status)] = int(n)
-    at = time.monotonic()  # just before the counters are read: rates divide by this
     stage_stats: dict[str, StageCounters] = {}
     for stage, *values in conn.execute(query("top_stage_stats")):
         processed, failed, finished, advanced, retries, strikes = map(int, values)
@@ -148,7 +151,6 @@ def read_sample(conn: psycopg.Connection[Any]) -> Sample:
         workers[stage] = workers.get(stage, 0) + int(n)
     holder = conn.execute(query("dispatcher_lock_holder")).fetchone()  # reads pg_locks only
     return Sample(
-        at=at,
         now=now,
         counts=counts,
         stage_stats=stage_stats,
@@ -209,15 +211,16 @@ def header(item: Frame) -> str:
     else:
         when = item.last_flush.astimezone().strftime("%H:%M:%S")
         parts.append(f"last stats flush {when} ({format_duration(age)} ago)")
+    if item.window is not None:
+        parts.append(f"rates over {format_duration(item.window)}")
     return " · ".join(parts)
 
 
 def footer(stats_interval: float, *, live: bool) -> str:
     text = (
-        "rates: per-second change of pepsi.stage_stats/dispatch_stats between refreshes. The "
-        f"dispatcher flushes them every STATS_INTERVAL ({format_duration(stats_interval)} here) "
-        f"and when the pipeline goes idle: rates are as fresh as the last flush. "
-        f"{NO_RATE}: no rate yet."
+        "rates: per second between the dispatcher's last two statistics flushes, which come "
+        f"every STATS_INTERVAL ({format_duration(stats_interval)} here) and when the pipeline "
+        f"goes idle; 0 when none came for longer than that. {NO_RATE}: no second flush seen yet."
     )
     return text + (" Ctrl-C quits." if live else "")
 
