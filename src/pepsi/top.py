@@ -11,12 +11,13 @@ at once. A rate is therefore taken between the last two flushes the view has
 seen, by their own timestamps (`dispatch_stats.updated`, the server's clock):
 an average over the last flush window, steady under steady load. A busy
 dispatcher flushes at least every STATS_INTERVAL, so when no flush came for
-longer than that, nothing was counted since: the rates are 0.
+longer than that while it ran (or it does not run), nothing was counted
+since: the rates are 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -59,6 +60,7 @@ class Sample:
     dispatch: DispatchCounters
     workers: Mapping[str, int]  # stage -> connected worker processes
     dispatcher_pid: int | None  # the backend holding the dispatcher's lock, None: not running
+    dispatcher_since: datetime | None = None  # when that backend connected
 
 
 @dataclass(frozen=True)
@@ -163,24 +165,24 @@ def frame(
     seen: Sequence[Sample], current: Sample, stages: list[str], stats_interval: float
 ) -> Frame:
     """One view: counts from `current`, rates over the flush window in `seen` (see above)."""
-    previous, latest = (seen[-2], seen[-1]) if len(seen) >= 2 else (None, None)
+    quiet = _quiet_for(current)
+    idle = quiet is not None and quiet > stats_interval + FLUSH_SLACK
+    first, last = (seen[-2], seen[-1]) if len(seen) >= 2 else (current, current)
     window: float | None = None
-    age = _seconds_since_flush(current)
-    if age is not None and age > stats_interval + FLUSH_SLACK:
-        previous, latest = current, current  # nothing counted since the last flush: 0/s
-        window = age
-    elif previous is not None and latest is not None:
-        window = (_flushed(latest) - _flushed(previous)).total_seconds()
+    if idle:
+        window = quiet if quiet is not None and quiet != float("inf") else None
+    elif len(seen) >= 2:
+        window = (_flushed(last) - _flushed(first)).total_seconds()
+
+    def per_second(counter: Callable[[Sample], int]) -> float | None:
+        if idle:
+            return 0.0  # nothing was counted since the last flush
+        return None if len(seen) < 2 else rate(counter(first), counter(last), window)
+
     rows = []
     for stage in all_stages(current, stages):
         counts = current.counts.get(stage, {})
         now = current.stage_stats.get(stage, StageCounters())
-        if previous is None or latest is None:
-            rates: dict[str, float | None] = dict.fromkeys(RATED)
-        else:
-            then = previous.stage_stats.get(stage, StageCounters())
-            end = latest.stage_stats.get(stage, StageCounters())
-            rates = {name: rate(getattr(then, name), getattr(end, name), window) for name in RATED}
         rows.append(
             StageRow(
                 stage=stage,
@@ -190,24 +192,27 @@ def frame(
                 failed=counts.get("failed", 0),
                 timeout=counts.get("timeout", 0),
                 workers=current.workers.get(stage, 0),
-                rates=rates,
+                rates={name: per_second(_stage_counter(stage, name)) for name in RATED},
                 strikes=now.strikes,
                 retries=now.retries,
             )
         )
-    before = None if previous is None else previous.dispatch
-    after = None if latest is None else latest.dispatch
     return Frame(
         now=current.now,
         window=window,
         dispatcher_pid=current.dispatcher_pid,
-        claims_rate=None if before is None or after is None
-        else rate(before.claims, after.claims, window),
-        claimed_rate=None if before is None or after is None
-        else rate(before.claimed, after.claimed, window),
+        claims_rate=per_second(lambda item: item.dispatch.claims),
+        claimed_rate=per_second(lambda item: item.dispatch.claimed),
         last_flush=current.dispatch.updated,
         stages=tuple(rows),
-    )  # fmt: skip
+    )
+
+
+def _stage_counter(stage: str, name: str) -> Callable[[Sample], int]:
+    def read(item: Sample) -> int:
+        return int(getattr(item.stage_stats.get(stage, StageCounters()), name))
+
+    return read
 
 
 def _flushed(item: Sample) -> datetime:
@@ -215,7 +220,16 @@ def _flushed(item: Sample) -> datetime:
     return item.dispatch.updated
 
 
-def _seconds_since_flush(current: Sample) -> float | None:
-    if current.dispatch.updated is None:
+def _quiet_for(current: Sample) -> float | None:
+    """Seconds the running dispatcher has gone without a flush; None: cannot tell.
+
+    A flush older than the dispatcher's start was its predecessor's: the
+    silence counts from the start. With no dispatcher, nothing is counted at all.
+    """
+    flushed = current.dispatch.updated
+    if current.dispatcher_pid is None:
+        return float("inf")
+    if current.dispatcher_since is None:
         return None
-    return (current.now - current.dispatch.updated).total_seconds()
+    since = current.dispatcher_since if flushed is None else max(flushed, current.dispatcher_since)
+    return (current.now - since).total_seconds()

@@ -74,7 +74,9 @@ def test_json_frames(queue: Any, dsn: str, capsys: pytest.CaptureFixture[str]) -
         assert item["dispatcher"]["claims_per_s"] is None
 
 
-def test_rates_between_two_flushes(queue: psycopg.Connection[Any], tmp_path: Path) -> None:
+def test_rates_between_two_flushes(
+    queue: psycopg.Connection[Any], dsn: str, tmp_path: Path
+) -> None:
     """A running `pepsi top` sees a second flush and rates it over the flush window."""
     (now,) = queue.execute("SELECT now()").fetchone() or (None,)
     first_flush, second_flush = now - timedelta(seconds=20), now - timedelta(seconds=10)
@@ -82,13 +84,18 @@ def test_rates_between_two_flushes(queue: psycopg.Connection[Any], tmp_path: Pat
         "INSERT INTO pepsi.dispatch_stats (claims, claimed, updated) VALUES (5, 50, %s)",
         (first_flush,),
     )
-    with subprocess.Popen(
-        [sys.executable, "-m", "pepsi", "top", "--json", "--interval", "0.1", "--count", "600"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        text=True,
-    ) as proc:
+    dispatcher = psycopg.connect(dsn, autocommit=True)  # running: it holds the lock
+    dispatcher.execute("SELECT pg_advisory_lock(%s)", (LOCK,))
+    with (
+        dispatcher,
+        subprocess.Popen(
+            [sys.executable, "-m", "pepsi", "top", "--json", "--interval", "0.1", "--count", "600"],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as proc,
+    ):
         assert proc.stdout is not None
         first = json.loads(proc.stdout.readline())
         assert first["rate_window_s"] is None  # one flush seen: nothing to rate yet

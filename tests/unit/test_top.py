@@ -24,9 +24,11 @@ def sample(
     claims: int = 0,
     claimed: int = 0,
     workers: dict[str, int] | None = None,
-    pid: int | None = None,
+    pid: int | None = 7,
+    since: float = -3600.0,
 ) -> Sample:
-    """A read at `now` seconds; the dispatcher last flushed at `flushed` seconds."""
+    """A read at `now` seconds; the dispatcher (running since `since`, unless `pid`
+    is None) last flushed at `flushed` seconds."""
     return Sample(
         now=at(now),
         counts=counts or {},
@@ -34,6 +36,7 @@ def sample(
         dispatch=DispatchCounters(claims, claimed, None if flushed is None else at(flushed)),
         workers=workers or {},
         dispatcher_pid=pid,
+        dispatcher_since=None if pid is None else at(since),
     )
 
 
@@ -86,7 +89,6 @@ def test_rates_span_the_last_two_flushes_not_the_refreshes() -> None:
         "processed": 10.0, "failed": 0.1, "finished": 5.0, "advanced": 5.0, "retries": 0.0,
     }  # fmt: skip
     assert (result.claims_rate, result.claimed_rate) == (0.5, 10.0)
-    assert result.dispatcher_running is False
 
 
 def test_no_flush_for_longer_than_the_interval_means_idle_zero() -> None:
@@ -104,6 +106,27 @@ def test_no_flush_for_longer_than_the_interval_means_idle_zero() -> None:
     assert frame(seen, current, ["a"], INTERVAL).stages[0].rates["processed"] is None
 
 
+def test_a_flush_older_than_the_dispatcher_proves_nothing_until_the_interval() -> None:
+    # the last flush was a previous dispatcher's, an hour ago; this one started 10 s ago
+    fresh = sample(3600.0, flushed=0.0, since=3590.0)
+    result = frame(anchors((), fresh), fresh, ["a"], INTERVAL)
+    assert result.stages[0].rates["processed"] is None
+    # running for longer than STATS_INTERVAL without a flush: it has counted nothing
+    later = sample(3660.0, flushed=0.0, since=3590.0)
+    result = frame(anchors((), later), later, ["a"], INTERVAL)
+    assert result.stages[0].rates["processed"] == 0.0
+    assert result.window == 70.0
+
+
+def test_no_dispatcher_means_zero_rates() -> None:
+    stopped = sample(10.0, flushed=0.0, pid=None)
+    result = frame(anchors((), stopped), stopped, ["a"], INTERVAL)
+    assert result.stages[0].rates["processed"] == 0.0
+    assert result.claims_rate == 0.0
+    assert result.window is None  # no window to speak of
+    assert json.loads(json.dumps(result.as_dict()))["rate_window_s"] is None
+
+
 def test_stage_without_stats_row_shows_zeros() -> None:
     seen, current = view(
         [sample(1.0, flushed=0.0), sample(11.0, flushed=10.0, counts={"a": {"pending": 3}})],
@@ -117,12 +140,14 @@ def test_stage_without_stats_row_shows_zeros() -> None:
     assert set(quiet.rates.values()) == {0.0}
 
 
-def test_a_dispatcher_that_never_flushed_gives_no_rates() -> None:
-    seen, current = view([sample(1.0), sample(100.0)], ["a"])
+def test_a_dispatcher_that_never_flushed() -> None:
+    seen, current = view([sample(1.0, since=-5.0), sample(2.0, since=-5.0)], ["a"])
     assert seen == ()
     result = frame(seen, current, ["a"], INTERVAL)
-    assert result.stages[0].rates["processed"] is None
+    assert result.stages[0].rates["processed"] is None  # started 7 s ago: cannot tell yet
     assert (result.window, result.last_flush, result.flush_age) == (None, None, None)
+    idle = sample(100.0, since=-5.0)  # 105 s without a flush: it has counted nothing
+    assert frame((), idle, ["a"], INTERVAL).stages[0].rates["processed"] == 0.0
 
 
 def test_counter_that_went_backwards_gives_no_negative_rate() -> None:

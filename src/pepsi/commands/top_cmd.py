@@ -157,6 +157,7 @@ def read_sample(conn: psycopg.Connection[Any]) -> Sample:
         dispatch=dispatch,
         workers=workers,
         dispatcher_pid=None if holder is None else int(holder[0]),
+        dispatcher_since=None if holder is None else holder[4],
     )
 
 

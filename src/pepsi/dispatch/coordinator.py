@@ -744,7 +744,7 @@ def _require_schema(dsn: str) -> None:
 def _holder_text(row: tuple[Any, ...] | None) -> str:
     if row is None:
         return "another dispatcher is running on this database (lock held for 10s)"
-    pid, addr, host, app = row
+    pid, addr, host, app, _since = row
     where = host or addr or "local socket"
     return (
         f"another dispatcher is running on this database "

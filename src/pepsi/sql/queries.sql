@@ -115,7 +115,8 @@ SELECT (SELECT count(*) FROM due) AS resumed,
 SELECT pg_try_advisory_lock(1885696115);
 
 -- name: dispatcher_lock_holder
-SELECT a.pid, a.client_addr::text, a.client_hostname, a.application_name
+-- Who holds the dispatcher's lock, read from pg_locks (never taken); since when.
+SELECT a.pid, a.client_addr::text, a.client_hostname, a.application_name, a.backend_start
 FROM pg_locks l
 JOIN pg_stat_activity a ON a.pid = l.pid
 WHERE l.locktype = 'advisory' AND l.granted AND l.database = (
