@@ -80,6 +80,8 @@ def test_external_program_stage(pipeline: Pipeline, tmp_path: Path) -> None:
     )
     ids = pipeline.publish("first", count=300)
     dispatcher = pipeline.start()
+    # PGAPPNAME names the program's connection after its stage, as `pepsi top` counts them
+    wait_until(lambda: pipeline.workers("external") >= 1, what="the program's connection")
     wait_until(lambda: pipeline.remaining() == 0, timeout=60, what="the queue to drain")
     assert dispatcher.stop() == 0
     assert effects_per_message(pipeline) == {(i, "last"): 1 for i in ids}

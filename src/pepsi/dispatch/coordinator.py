@@ -493,6 +493,9 @@ class Dispatcher:
             "PEPSI_STAGE": stage.name,
             "PEPSI_DSN": self.dsn,
             "PEPSI_NEXT": stage.next or "",
+            # libpq's default application_name: a program's connections show as its
+            # stage's in pg_stat_activity and in `pepsi top` without it doing anything
+            "PGAPPNAME": f"pepsi-worker:{stage.name}",
         }
         worker = WorkerProcess(
             self.next_key,
