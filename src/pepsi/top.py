@@ -24,6 +24,9 @@ from typing import Any
 
 STATUSES = ("pending", "running", "paused", "failed", "timeout")
 FLUSH_SLACK = 2.0  # seconds past STATS_INTERVAL before a missing flush means "idle"
+# Counting a large queue is a scan (about 0.3 s for a million rows): it may take at
+# most a tenth of the time between two counts, so the view never loads the database.
+COUNTS_BUDGET = 10
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Sample:
     workers: Mapping[str, int]  # stage -> connected worker processes
     dispatcher_pid: int | None  # the backend holding the dispatcher's lock, None: not running
     dispatcher_since: datetime | None = None  # when that backend connected
+    counts_age: float = 0.0  # seconds since `counts` were read (a slow count is not redone)
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class Frame:
     claimed_rate: float | None  # rows claimed per second
     last_flush: datetime | None
     stages: tuple[StageRow, ...] = field(default=())
+    counts_age: float = 0.0
 
     @property
     def dispatcher_running(self) -> bool:
@@ -104,6 +109,7 @@ class Frame:
         return {
             "time": self.now.isoformat(),
             "rate_window_s": _round(self.window),
+            "counts_age_s": _round(self.counts_age),
             "dispatcher": {
                 "running": self.dispatcher_running,
                 "pid": self.dispatcher_pid,
@@ -151,6 +157,14 @@ def all_stages(current: Sample, configured: list[str]) -> list[str]:
     seen = set(configured)
     found = set(current.counts) | set(current.stage_stats) | set(current.workers)
     return [*configured, *sorted(found - seen)]
+
+
+def counts_due(read_at: float | None, took: float, now: float, interval: float) -> bool:
+    """Whether this refresh counts the queue again: every refresh while counting is
+    cheap, else once COUNTS_BUDGET times its last duration has passed."""
+    if read_at is None or COUNTS_BUDGET * took <= interval:
+        return True
+    return now - read_at >= COUNTS_BUDGET * took
 
 
 def anchors(seen: Sequence[Sample], current: Sample) -> tuple[Sample, ...]:
@@ -205,6 +219,7 @@ def frame(
         claimed_rate=per_second(lambda item: item.dispatch.claimed),
         last_flush=current.dispatch.updated,
         stages=tuple(rows),
+        counts_age=current.counts_age,
     )
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from pepsi.top import DispatchCounters, Sample, StageCounters, anchors, frame, rate
+from pepsi.top import DispatchCounters, Sample, StageCounters, anchors, counts_due, frame, rate
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 INTERVAL = 60.0  # STATS_INTERVAL
@@ -193,3 +194,15 @@ def test_frame_as_json() -> None:
         "last_flush": at(3.0).isoformat(), "flush_age_s": 1.0,
     }  # fmt: skip
     assert data["stages"][0]["rates"]["processed"] == 0.333
+
+
+def test_a_slow_queue_count_is_redone_less_often() -> None:
+    assert counts_due(None, 5.0, 0.0, 1.0)  # never counted
+    assert counts_due(100.0, 0.05, 101.0, 1.0)  # cheap: every refresh
+    # 0.3 s a count (a million rows): at most a tenth of the time, so every 3 s
+    assert not counts_due(100.0, 0.3, 101.0, 1.0)
+    assert not counts_due(100.0, 0.3, 102.9, 1.0)
+    assert counts_due(100.0, 0.3, 103.0, 1.0)
+    old = sample(5.0, flushed=0.0)
+    aged = replace(old, counts_age=2.5)
+    assert frame((), aged, ["a"], INTERVAL).as_dict()["counts_age_s"] == 2.5

@@ -19,6 +19,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -27,7 +28,16 @@ from pepsi.db import connect, schema
 from pepsi.db.queries import query
 from pepsi.durations import format_duration, parse_duration
 from pepsi.errors import EX_OK, EX_USAGE, DatabaseUnavailable, PepsiError
-from pepsi.top import RATED, DispatchCounters, Frame, Sample, StageCounters, anchors, frame
+from pepsi.top import (
+    RATED,
+    DispatchCounters,
+    Frame,
+    Sample,
+    StageCounters,
+    anchors,
+    counts_due,
+    frame,
+)
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -115,10 +125,13 @@ def _frames(
     stats_interval: float,
 ) -> Iterator[Frame]:
     seen: tuple[Sample, ...] = ()  # the samples at the last two flushes: the rate window
+    counted: Counted | None = None
     deadline = time.monotonic()
     shown = 0
     while True:
-        current = read_sample(conn)
+        if counted is None or counts_due(counted.at, counted.took, time.monotonic(), interval):
+            counted = count_queue(conn)
+        current = read_sample(conn, counted.counts, time.monotonic() - counted.at)
         seen = anchors(seen, current)
         yield frame(seen, current, stages, stats_interval)
         shown += 1
@@ -129,11 +142,26 @@ def _frames(
         time.sleep(max(0.0, deadline - time.monotonic()))
 
 
-def read_sample(conn: psycopg.Connection[Any]) -> Sample:
-    """One read of everything a frame shows (autocommit: each query its own snapshot)."""
+@dataclass(frozen=True)
+class Counted:
+    counts: dict[str, dict[str, int]]  # stage -> status -> rows
+    at: float  # time.monotonic() when read
+    took: float  # seconds the count took
+
+
+def count_queue(conn: psycopg.Connection[Any]) -> Counted:
+    """Rows per stage and status: a scan of the queue, the one costly read."""
+    started = time.monotonic()
     counts: dict[str, dict[str, int]] = {}
     for stage, status, n in conn.execute(query("queue_status_counts")):
         counts.setdefault(str(stage), {})[str(status)] = int(n)
+    return Counted(counts, started, time.monotonic() - started)
+
+
+def read_sample(
+    conn: psycopg.Connection[Any], counts: dict[str, dict[str, int]], counts_age: float = 0.0
+) -> Sample:
+    """One read of the rest of a frame (autocommit: each query its own snapshot)."""
     stage_stats: dict[str, StageCounters] = {}
     for stage, *values in conn.execute(query("top_stage_stats")):
         processed, failed, finished, advanced, retries, strikes = map(int, values)
@@ -158,6 +186,7 @@ def read_sample(conn: psycopg.Connection[Any]) -> Sample:
         workers=workers,
         dispatcher_pid=None if holder is None else int(holder[0]),
         dispatcher_since=None if holder is None else holder[4],
+        counts_age=counts_age,
     )
 
 
@@ -214,6 +243,8 @@ def header(item: Frame) -> str:
         parts.append(f"last stats flush {when} ({format_duration(age)} ago)")
     if item.window is not None:
         parts.append(f"rates over {format_duration(item.window)}")
+    if item.counts_age >= 1.0:  # the queue is large: counted less often (see pepsi.top)
+        parts.append(f"queue counted {format_duration(item.counts_age)} ago")
     return " · ".join(parts)
 
 

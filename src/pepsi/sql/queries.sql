@@ -163,15 +163,22 @@ FROM pepsi.workqueue_claim_fair(
 SELECT stage, status::text, count(*) FROM pepsi.workqueue GROUP BY 1, 2 ORDER BY 1, 2;
 
 -- name: queue_status_heads
--- Per stage: the oldest pending row's age and the next paused row's due time,
--- each one probe of a partial index.
+-- Per stage: the oldest pending row's age (one probe of the pending index) and
+-- the next paused row's due time (one pass over the paused rows for all stages:
+-- the paused index is by time, not stage, so a probe per stage would read them
+-- all once per stage).
+WITH paused AS (
+    SELECT q.stage, min(q.timeout) AS next_retry FROM pepsi.workqueue q
+    WHERE q.status = 'paused' AND q.timeout IS NOT NULL
+    GROUP BY q.stage
+)
 SELECT s.stage,
        (SELECT extract(epoch FROM now() - q.arrived) FROM pepsi.workqueue q
         WHERE q.stage = s.stage AND q.status = 'pending'
         ORDER BY q.stage, q.workqueue_id LIMIT 1) AS oldest_pending_s,
-       (SELECT min(q.timeout) FROM pepsi.workqueue q
-        WHERE q.stage = s.stage AND q.status = 'paused') AS next_retry
-FROM unnest(%(stages)s::text[]) AS s(stage);
+       p.next_retry
+FROM unnest(%(stages)s::text[]) AS s(stage)
+LEFT JOIN paused p ON p.stage = s.stage;
 
 -- name: queue_status_failures
 SELECT stage, status::text, coalesce(state->>'failure_class', '?'), count(*)
