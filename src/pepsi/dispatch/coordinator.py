@@ -271,6 +271,8 @@ class Dispatcher:
     def _count_wakeup(self) -> None:
         """P-9: each cause of this wakeup once; no cause means a deadline passed."""
         causes, self.wake_causes = self.wake_causes, set()
+        if self.stopping:
+            return  # woken to stop: not a wakeup of the pipeline's
         if not causes:
             causes = {"poll" if time.monotonic() >= self.next_poll else "timer"}
         for cause in causes:
