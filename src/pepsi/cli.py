@@ -17,16 +17,12 @@ from pathlib import Path
 
 from pepsi import __version__
 from pepsi.config import Config, load_config
-from pepsi.errors import EX_ERROR, EX_OK, EX_USAGE, PepsiError
+from pepsi.errors import EX_ERROR, EX_OK, PepsiError, UsageError
 
 # Global options, as the pre-scan needs to know them.
 _GLOBAL_VALUED = ("-c", "--config", "-L", "--log")
 _GLOBAL_FLAGS = ("-v", "--verbose", "-V", "--version", "-h", "--help")
 _LEVELS = ("debug", "info", "warning", "error", "critical")
-
-
-class UsageError(PepsiError):
-    exit_code = EX_USAGE
 
 
 @dataclass

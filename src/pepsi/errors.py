@@ -22,6 +22,12 @@ class PepsiError(Exception):
     exit_code: int = EX_ERROR
 
 
+class UsageError(PepsiError):
+    """A command line that cannot be run as given (argparse's own status, 2)."""
+
+    exit_code = EX_USAGE
+
+
 class ConfigError(PepsiError):
     """A configuration file, section or key that cannot be used.
 

@@ -8,7 +8,7 @@ from typing import Any
 import psycopg
 from psycopg import conninfo
 
-from tests.scenarios.conftest import Pipeline, wait_until
+from tests.scenarios.conftest import Dispatcher, Pipeline, wait_until
 
 STAGE_COLUMNS = (
     "processed", "failed", "strikes", "requeued", "busy_us",
@@ -100,19 +100,25 @@ def test_counters_match_the_events(pipeline: Pipeline, admin_dsn: str) -> None:
     assert after == before
 
 
-def test_flush_waits_for_the_interval_while_busy_and_happens_at_shutdown(
-    pipeline: Pipeline,
-) -> None:
-    """A busy pipeline is not idle: counters wait for STATS_INTERVAL or shutdown."""
+def run_five_while_one_is_held(pipeline: Pipeline, stats_interval: str) -> tuple[int, Dispatcher]:
+    """A hanging message keeps the pipeline busy (never idle) while stage b runs five."""
     pipeline.configure(
         "[stage-hold]\nHANDLER = tests.stages:faulty_serial\nMAX_RUNTIME = 10m\n"
         "[stage-b]\nHANDLER = tests.stages:noop\n",
-        STATS_INTERVAL="10m",
+        STATS_INTERVAL=stats_interval,
     )
     (held,) = pipeline.publish("hold", properties={"fault": "hang"})
     dispatcher = pipeline.start()
     wait_until(lambda: status(pipeline, held) == "running", what="the hang to be held")
     pipeline.publish("b", count=5)
+    return held, dispatcher
+
+
+def test_flush_waits_for_the_interval_while_busy_and_happens_at_shutdown(
+    pipeline: Pipeline,
+) -> None:
+    """A busy pipeline is not idle: counters wait for STATS_INTERVAL or shutdown."""
+    held, dispatcher = run_five_while_one_is_held(pipeline, "10m")
     wait_until(
         lambda: pipeline.scalar("SELECT count(*) FROM pepsi.workqueue WHERE stage = 'b'") == 0,
         what="b to finish",
@@ -129,15 +135,7 @@ def test_flush_waits_for_the_interval_while_busy_and_happens_at_shutdown(
 
 
 def test_flush_every_interval_while_busy(pipeline: Pipeline) -> None:
-    pipeline.configure(
-        "[stage-hold]\nHANDLER = tests.stages:faulty_serial\nMAX_RUNTIME = 10m\n"
-        "[stage-b]\nHANDLER = tests.stages:noop\n",
-        STATS_INTERVAL="1s",
-    )
-    (held,) = pipeline.publish("hold", properties={"fault": "hang"})
-    dispatcher = pipeline.start()
-    wait_until(lambda: status(pipeline, held) == "running", what="the hang to be held")
-    pipeline.publish("b", count=5)
+    held, dispatcher = run_five_while_one_is_held(pipeline, "1s")
     wait_until(
         lambda: stage_stats(pipeline).get("b", {}).get("finished") == 5,
         what="the interval flush",

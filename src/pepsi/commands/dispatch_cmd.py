@@ -21,7 +21,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="claim pending messages and run their stages until interrupted",
         description="Run the dispatcher until SIGINT/SIGTERM. Exactly one runs per "
         "database (a second one waits ~10s for the lock, then exits 1). Exit 0 on a "
-        "clean stop, 1 on an error, 78 if the database schema is not this build's.",
+        "clean stop, 1 on an error, 78 if the database schema is not this build's. "
+        "With [pepsi-dispatch] METRICS_ADDRESS set it also serves Prometheus metrics "
+        "at http://ADDRESS/metrics (docs/operations.md).",
     )
     serve.set_defaults(handler=run_serve)
 

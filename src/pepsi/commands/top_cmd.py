@@ -6,10 +6,11 @@ dispatcher's state. On a terminal the view redraws in place until Ctrl-C;
 piped, or with --json, it prints one frame per refresh (--json: one object
 per line). --count N stops after N refreshes.
 
-Each refresh is a few cheap reads on one connection (a GROUP BY over the
-queue, the one-row-per-stage stats tables, pg_stat_activity, pg_locks). The
-rates are averages between the dispatcher's last two statistics flushes (see
-pepsi.top for why).
+Each refresh reads the stats tables, pg_stat_activity and pg_locks (well
+under a millisecond) and counts the queue; a count that is slow (a large
+queue) is redone only after ten times its duration, and the header says how
+old it is. Rates are per second between the dispatcher's last two statistics
+flushes (every STATS_INTERVAL and when idle). See docs/operations.md.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import psycopg
 from pepsi.db import connect, schema
 from pepsi.db.queries import query
 from pepsi.durations import format_duration, parse_duration
-from pepsi.errors import EX_OK, EX_USAGE, DatabaseUnavailable, PepsiError
+from pepsi.errors import EX_OK, DatabaseUnavailable, UsageError
 from pepsi.top import (
     RATED,
     DispatchCounters,
@@ -47,10 +48,6 @@ if TYPE_CHECKING:
 
 WORKER_PREFIX = "pepsi-worker:"  # each worker's connection is named after its stage
 NO_RATE = "–"  # first frame, or a counter that was reset
-
-
-class _Usage(PepsiError):
-    exit_code = EX_USAGE
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -76,16 +73,16 @@ def _interval(text: str) -> float:
     try:
         seconds = parse_duration(text)
     except ValueError:
-        raise _Usage(f"--interval wants a positive number of seconds, got {text!r}") from None
+        raise UsageError(f"--interval wants a positive number of seconds, got {text!r}") from None
     if seconds <= 0:
-        raise _Usage(f"--interval must be greater than 0, got {text!r}")
+        raise UsageError(f"--interval must be greater than 0, got {text!r}")
     return seconds
 
 
 def run_top(args: argparse.Namespace, ctx: Context) -> int:
     interval = _interval(args.interval)
     if args.count is not None and args.count < 1:
-        raise _Usage(f"--count must be at least 1, got {args.count}")
+        raise UsageError(f"--count must be at least 1, got {args.count}")
     config = ctx.config()
     stages = list(config.stages)
     try:
