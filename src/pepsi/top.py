@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-STATUSES = ("pending", "running", "paused", "failed", "timeout")
 FLUSH_SLACK = 2.0  # seconds past STATS_INTERVAL before a missing flush means "idle"
 # Counting a large queue is a scan (about 0.3 s for a million rows): it may take at
 # most a tenth of the time between two counts, so the view never loads the database.

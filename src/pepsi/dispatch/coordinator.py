@@ -243,7 +243,7 @@ class Dispatcher:
             try:
                 if self.rows:
                     await self.rows.flush(self.conn, time.monotonic())
-                await self._flush_stats()
+                await self._flush_stats(final=True)
             except psycopg.OperationalError:
                 log.error("could not requeue in-flight rows; the next start resets them")
 
@@ -342,13 +342,16 @@ class Dispatcher:
         due = time.monotonic() + max(0.0, seconds)
         self.next_due = due if self.next_due is None else min(self.next_due, due)
 
-    async def _flush_stats(self) -> None:
-        """P-9: one statement; nothing at all when nothing was counted."""
+    async def _flush_stats(self, *, final: bool = False) -> None:
+        """P-9: one statement; nothing at all when nothing was counted.
+
+        Wakeups alone make no flush due, but the final one writes them too.
+        """
         assert self.conn is not None
         now = time.monotonic()
         self.last_stats_flush = now
         self.next_stats = now + self.config.dispatch.stats_interval
-        if not self.stats:
+        if self.stats.empty() if final else not self.stats:
             return
         params = self.stats.take()
         await self.conn.execute(query("stats_flush"), {**params, "started": self.started_at})
