@@ -78,8 +78,9 @@ def reject_trailing_globals(rest: Sequence[str]) -> None:
             )
 
 
-def build_parser(prog: str) -> argparse.ArgumentParser:
-    from pepsi.commands import COMMANDS  # noqa: PLC0415
+def build_parser(prog: str, command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of `pepsi`; only `command`'s module is imported (the others list by name)."""
+    from pepsi import commands  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -103,8 +104,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("-V", "--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for register in COMMANDS:
-        register(sub)
+    commands.register(sub, command)
     return parser
 
 
@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None, *, command: str | None = None) -> in
             head = [t for t in head if t not in ("-h", "--help")]
             rest = [command, *rest, *helps]
         reject_trailing_globals(rest)
-        parser = build_parser(prog)
+        parser = build_parser(prog, rest[0] if rest else None)
         args = parser.parse_args([*head, *rest])
         setup_logging(args.log, args.verbose)
         context = Context(prog=prog, config_path=args.config, verbose=args.verbose)

@@ -129,3 +129,24 @@ def test_named_queries_parse() -> None:
     assert parse_named(text) == {"a_get": "SELECT 1;", "b_set": "UPDATE x SET y = 1;"}
     with pytest.raises(ValueError, match="defined twice"):
         parse_named(text + "-- name: a_get\nSELECT 2;\n")
+
+
+def test_a_worker_loads_only_its_own_command() -> None:
+    """`pepsi worker` starts for every worker process: no dispatcher, publisher or rich."""
+    heavy = ("pepsi.dispatch", "pepsi.publishing", "pepsi.commands.", "rich", "prometheus_client")
+    code = (
+        "import sys; from pepsi.cli import build_parser; build_parser('pepsi', 'worker'); "
+        f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['pepsi.commands.worker_cmd']"
+
+
+def test_help_lists_every_command_without_importing_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for command in ("setup", "dispatch", "ingress", "failure-bouncer", "queue", "top", "worker"):
+        assert command in out

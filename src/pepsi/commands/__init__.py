@@ -1,35 +1,60 @@
-"""Subcommands of `pepsi`: each module registers one on the parser.
+"""Subcommands of `pepsi`: one module each, imported only when it runs.
 
-Only commands that work are registered (and so listed in --help).
+The table names every command with its one-line help, so `pepsi --help`
+lists them all without importing any; the command that runs is the only
+module loaded. That keeps `pepsi worker` (started for every worker process)
+from paying for the dispatcher, the publishers, rich and prometheus_client.
+Only commands that work are listed.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import importlib
+from dataclasses import dataclass
 
-from pepsi.commands import (
-    bouncer_cmd,
-    config_cmd,
-    db_cmd,
-    dispatch_cmd,
-    ingress_cmd,
-    queue_cmd,
-    setup_cmd,
-    top_cmd,
-    worker_cmd,
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    module: str  # defines register(sub) adding the full parser of `name`
+    help: str
+    aliases: tuple[str, ...] = ()
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("setup", "setup_cmd", "install or upgrade the database schema"),
+    Command("config", "config_cmd", "check the configuration"),
+    Command("db", "db_cmd", "manage the embedded database, show the one in use"),
+    Command("dispatch", "dispatch_cmd", "run the dispatcher"),
+    Command(
+        "ingress",
+        "ingress_cmd",
+        "publish messages (stdin, files or JSON lines); prints their ids",
+        aliases=("publish",),
+    ),
+    Command(
+        "failure-bouncer",
+        "bouncer_cmd",
+        "move failed messages of stages without BOUNCE_STAGE to the dead-letter sink",
+    ),
+    Command("queue", "queue_cmd", "inspect and repair the queue"),
+    Command("top", "top_cmd", "live view: backlog, workers and rates per stage"),
+    Command("worker", "worker_cmd", "run one stage's worker (started by the dispatcher)"),
 )
 
-Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
-COMMANDS: tuple[Register, ...] = (
-    setup_cmd.register,
-    config_cmd.register,
-    db_cmd.register,
-    dispatch_cmd.register,
-    ingress_cmd.register,
-    bouncer_cmd.register,
-    queue_cmd.register,
-    top_cmd.register,
-    worker_cmd.register,
-)
+def summary(name: str) -> str:
+    """The one-line help of command `name`, for its module's parser."""
+    return next(c.help for c in COMMANDS if c.name == name)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], wanted: str | None) -> None:
+    """Add every command to `sub`: `wanted` in full, the others by name and help only."""
+    for command in COMMANDS:
+        if wanted is not None and wanted in (command.name, *command.aliases):
+            module = importlib.import_module(f"pepsi.commands.{command.module}")
+            module.register(sub)
+        else:
+            sub.add_parser(command.name, aliases=list(command.aliases), help=command.help)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
+from pepsi.commands import summary
 from pepsi.db import connect, schema
 from pepsi.db.queries import query
 from pepsi.errors import EX_OK, DatabaseUnavailable
@@ -31,7 +32,7 @@ BATCH = 1000
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "failure-bouncer",
-        help="move failed messages of stages without BOUNCE_STAGE to the dead-letter sink",
+        help=summary("failure-bouncer"),
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from pepsi.commands import summary
 from pepsi.config import Config, default_locations, find_config
 from pepsi.durations import format_duration
 from pepsi.errors import EX_OK, ConfigError
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser("config", help="check the configuration")
+    parser = sub.add_parser("config", help=summary("config"))
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     check = actions.add_parser(
         "check",

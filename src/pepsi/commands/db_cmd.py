@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from pepsi.commands import summary
 from pepsi.db import connect, schema
 from pepsi.db.embedded import EmbeddedServer
 from pepsi.db.queries import query
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "db",
-        help="manage the embedded database, show the one in use",
+        help=summary("db"),
         description="Without a DSN ($PEPSI_DSN or [pepsi-postgres] DSN) Pepsi uses an "
         "embedded PostgreSQL in DATA_DIR, started on demand and left running.",
     )

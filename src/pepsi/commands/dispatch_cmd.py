@@ -6,6 +6,7 @@ import argparse
 import asyncio
 from typing import TYPE_CHECKING
 
+from pepsi.commands import summary
 from pepsi.db import connect
 from pepsi.dispatch.coordinator import Dispatcher
 
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser("dispatch", help="run the dispatcher")
+    parser = sub.add_parser("dispatch", help=summary("dispatch"))
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     serve = actions.add_parser(
         "serve",

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from pepsi.commands import summary
 from pepsi.durations import parse_duration
 from pepsi.errors import EX_OK
 from pepsi.publishing import InvalidMessage, OutgoingMessage
@@ -37,7 +38,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "ingress",
         aliases=["publish"],
-        help="publish messages (stdin, files or JSON lines); prints their ids",
+        help=summary("ingress"),
         description="Publish messages and print each new id once committed. Without FILE, "
         "stdin is one message (or, with --format jsonl, one JSON object per line). Exit "
         "65 invalid message, 67 no such stage, 75 stage full, 74 confirm lost, 1 other errors.",

@@ -23,6 +23,7 @@ import sys
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from pepsi.commands import summary
 from pepsi.db import connect, schema
 from pepsi.db.queries import query
 from pepsi.errors import EX_OK, PepsiError
@@ -45,7 +46,7 @@ class RepairRefused(PepsiError):
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "queue",
-        help="inspect and repair the queue",
+        help=summary("queue"),
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from pepsi.commands import summary
 from pepsi.db import connect, schema
 from pepsi.errors import EX_OK
 
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser("setup", help="install or upgrade the database schema")
+    parser = sub.add_parser("setup", help=summary("setup"))
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     schema_parser = actions.add_parser(
         "schema",

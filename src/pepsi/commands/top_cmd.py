@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
+from pepsi.commands import summary
 from pepsi.db import connect, schema
 from pepsi.db.queries import query
 from pepsi.durations import format_duration, parse_duration
@@ -53,7 +54,7 @@ NO_RATE = "–"  # first frame, or a counter that was reset
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "top",
-        help="live view: backlog, workers and rates per stage",
+        help=summary("top"),
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

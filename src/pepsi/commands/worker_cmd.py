@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from pepsi.commands import summary
 from pepsi.db import connect
 from pepsi.errors import ConfigError
 from pepsi.worker import runtime
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "worker",
-        help="run one stage's worker (started by the dispatcher)",
+        help=summary("worker"),
         description="Run the Python stage named by $PEPSI_STAGE behind the worker "
         "protocol: print `ready`, then read message ids on stdin and write one status "
         "line per id. Exits 78 before `ready` if the configuration, the handler or the "
