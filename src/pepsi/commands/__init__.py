@@ -14,7 +14,6 @@ import importlib
 from dataclasses import dataclass
 
 
-
 @dataclass(frozen=True)
 class Command:
     name: str
