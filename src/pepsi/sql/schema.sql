@@ -590,31 +590,34 @@ BEGIN
                                            THEN senders[cardinality(senders)] ELSE '' END;
         -- How many of each sender's oldest rows can matter, from the lags
         -- alone: the caps[i] smallest of the virtual scores lag + k × average
-        -- (k ≤ caps[i]) set a threshold, and a sender's rows scoring above it
-        -- cannot be chosen while every sender has that many rows. When the
-        -- first pass finds fewer rows than slots, the second reads up to
-        -- caps[i] per sender, so the choice is always the full ranking's.
+        -- (k ≤ caps[i]) lie under a threshold, and a sender's rows scoring
+        -- above it cannot be chosen while every sender has that many rows.
+        -- The threshold is bounded in closed form, without enumerating the
+        -- virtual scores: filling senders level by level from the least
+        -- lagged, the water level T is the least of (caps[i] × average + the
+        -- m smallest lags) / m over m, and T + average bounds the exact
+        -- threshold from above (a row or two more per sender is read, never
+        -- fewer). When the first pass finds fewer rows than slots, the second
+        -- reads up to caps[i] per sender, so the choice is always the full
+        -- ranking's.
         limits := ARRAY(
             WITH lagged AS (
                 SELECT s.n, coalesce(l.seconds, 0) AS lag
                 FROM unnest(senders) WITH ORDINALITY AS s(sender_key, n)
                 LEFT JOIN unnest(lag_stages, lag_senders, lag_values) AS l(stage, sender, seconds)
                        ON l.stage = stages[i] AND l.sender = s.sender_key
-            ), virtual AS (
-                SELECT g.n, g.lag + k * averages[i] AS score
-                FROM lagged g, generate_series(1, caps[i]) AS k
-            ), threshold AS (
-                SELECT max(v.score) AS t
-                FROM (SELECT score FROM virtual ORDER BY score LIMIT caps[i]) v
+            ), filled AS (
+                SELECT row_number() OVER w AS m, sum(g.lag) OVER w AS lags
+                FROM lagged g
+                WINDOW w AS (ORDER BY g.lag ROWS UNBOUNDED PRECEDING)
+            ), level AS (
+                SELECT min((caps[i] * greatest(averages[i], 1e-9) + f.lags) / f.m)
+                       + greatest(averages[i], 1e-9) AS t
+                FROM filled f
             )
-            , counted AS (
-                SELECT v.n, count(*) AS c
-                FROM virtual v, threshold th
-                WHERE v.score <= th.t
-                GROUP BY v.n
-            )
-            SELECT coalesce(counted.c, 0)
-            FROM lagged g LEFT JOIN counted ON counted.n = g.n
+            SELECT least(caps[i], greatest(0, floor(
+                       (level.t - g.lag) / greatest(averages[i], 1e-9) + 1e-9)))::bigint
+            FROM lagged g, level
             ORDER BY g.n);
         FOR attempt IN 1 .. 2 LOOP
             chosen := ARRAY(

@@ -1,0 +1,125 @@
+-- 0007: the fair claim bounds each sender's read from the lags in closed form
+-- (it enumerated caps × senders virtual scores: 16 384 rows, most of a claim
+-- of 256, at 64 senders) (P-5).
+
+-- P-4 + P-5: one call claims, for every stage, up to its capacity: first
+-- fifo[i] of its oldest rows whatever the sender, then, among the oldest
+-- caps[i] rows of each of at most max_senders pending senders (a window that
+-- starts after starts[i] and wraps around), the rows ranked lowest by
+-- lag + k × average (k-th oldest row of its sender; ties: oldest first).
+-- Lags come as three parallel arrays (stage, sender, seconds); a sender
+-- without one ranks from 0. Returns the claimed ids with their stage and
+-- sender, and where each stage's sender window starts next time ('' when
+-- the window covered every sender).
+CREATE OR REPLACE FUNCTION pepsi.workqueue_claim_fair(
+    stages text[], caps integer[], fifo integer[], averages double precision[],
+    starts text[], lag_stages text[], lag_senders text[], lag_values double precision[],
+    max_senders integer DEFAULT 64,
+    OUT ids bigint[], OUT id_stages text[], OUT id_senders text[], OUT next_starts text[]
+)
+LANGUAGE plpgsql
+-- Each sender's oldest rows must come from the sender index, one short
+-- probe per sender; on a small or freshly drained table the planner would
+-- rather scan the heap once per sender (64 scans per claim).
+SET enable_seqscan = off
+AS $$
+DECLARE
+    i integer;
+    picked bigint[] := '{}';
+    senders text[];
+    more text[];
+    limits bigint[];
+    chosen bigint[];
+    attempt integer;
+BEGIN
+    next_starts := '{}';
+    FOR i IN 1 .. coalesce(array_length(stages, 1), 0) LOOP
+        senders := ARRAY(SELECT p.sender_key
+                         FROM pepsi.workqueue_pending_senders(stages[i], starts[i], NULL,
+                                                              max_senders) p);
+        IF cardinality(senders) < max_senders AND starts[i] <> '' THEN
+            more := ARRAY(SELECT p.sender_key
+                          FROM pepsi.workqueue_pending_senders(
+                              stages[i], '', starts[i], max_senders - cardinality(senders)) p);
+            senders := senders || more;
+        END IF;
+        next_starts := next_starts || CASE WHEN cardinality(senders) >= max_senders
+                                           THEN senders[cardinality(senders)] ELSE '' END;
+        -- How many of each sender's oldest rows can matter, from the lags
+        -- alone: the caps[i] smallest of the virtual scores lag + k × average
+        -- (k ≤ caps[i]) lie under a threshold, and a sender's rows scoring
+        -- above it cannot be chosen while every sender has that many rows.
+        -- The threshold is bounded in closed form, without enumerating the
+        -- virtual scores: filling senders level by level from the least
+        -- lagged, the water level T is the least of (caps[i] × average + the
+        -- m smallest lags) / m over m, and T + average bounds the exact
+        -- threshold from above (a row or two more per sender is read, never
+        -- fewer). When the first pass finds fewer rows than slots, the second
+        -- reads up to caps[i] per sender, so the choice is always the full
+        -- ranking's.
+        limits := ARRAY(
+            WITH lagged AS (
+                SELECT s.n, coalesce(l.seconds, 0) AS lag
+                FROM unnest(senders) WITH ORDINALITY AS s(sender_key, n)
+                LEFT JOIN unnest(lag_stages, lag_senders, lag_values) AS l(stage, sender, seconds)
+                       ON l.stage = stages[i] AND l.sender = s.sender_key
+            ), filled AS (
+                SELECT row_number() OVER w AS m, sum(g.lag) OVER w AS lags
+                FROM lagged g
+                WINDOW w AS (ORDER BY g.lag ROWS UNBOUNDED PRECEDING)
+            ), level AS (
+                SELECT min((caps[i] * greatest(averages[i], 1e-9) + f.lags) / f.m)
+                       + greatest(averages[i], 1e-9) AS t
+                FROM filled f
+            )
+            SELECT least(caps[i], greatest(0, floor(
+                       (level.t - g.lag) / greatest(averages[i], 1e-9) + 1e-9)))::bigint
+            FROM lagged g, level
+            ORDER BY g.n);
+        FOR attempt IN 1 .. 2 LOOP
+            chosen := ARRAY(
+                WITH oldest AS (
+                    SELECT q.workqueue_id FROM pepsi.workqueue q
+                    WHERE q.stage = stages[i] AND q.status = 'pending'
+                    ORDER BY q.stage, q.workqueue_id
+                    LIMIT least(fifo[i], caps[i])
+                ), lag AS (
+                    SELECT l.sender, l.seconds
+                    FROM unnest(lag_stages, lag_senders, lag_values) AS l(stage, sender, seconds)
+                    WHERE l.stage = stages[i]
+                ), candidate AS (
+                    SELECT c.workqueue_id, coalesce(lag.seconds, 0) + c.k * averages[i] AS score
+                    FROM unnest(senders) WITH ORDINALITY AS s(sender_key, n)
+                    CROSS JOIN LATERAL (
+                        SELECT o.workqueue_id, row_number() OVER (ORDER BY o.workqueue_id) AS k
+                        FROM (SELECT q.workqueue_id FROM pepsi.workqueue q
+                              WHERE q.stage = stages[i] AND q.status = 'pending'
+                                AND q.sender_key = s.sender_key
+                              ORDER BY q.stage, q.sender_key, q.workqueue_id
+                              LIMIT CASE WHEN attempt = 1 THEN limits[s.n] ELSE caps[i] END) o
+                    ) c
+                    LEFT JOIN lag ON lag.sender = s.sender_key
+                )
+                SELECT o.workqueue_id FROM oldest o
+                UNION ALL
+                (SELECT c.workqueue_id FROM candidate c
+                 WHERE c.workqueue_id NOT IN (SELECT o.workqueue_id FROM oldest o)
+                 ORDER BY c.score, c.workqueue_id
+                 LIMIT caps[i] - (SELECT count(*) FROM oldest))
+            );
+            EXIT WHEN cardinality(chosen) >= caps[i];
+        END LOOP;
+        picked := picked || chosen;
+    END LOOP;
+    WITH claimed AS (
+        UPDATE pepsi.workqueue w SET status = 'running'
+        WHERE w.workqueue_id = ANY(picked) AND w.status = 'pending'
+        RETURNING w.workqueue_id, w.stage, w.sender_key
+    )
+    SELECT coalesce(array_agg(c.workqueue_id ORDER BY c.workqueue_id), '{}'),
+           coalesce(array_agg(c.stage ORDER BY c.workqueue_id), '{}'),
+           coalesce(array_agg(c.sender_key ORDER BY c.workqueue_id), '{}')
+    INTO ids, id_stages, id_senders
+    FROM claimed c;
+END
+$$;
