@@ -105,8 +105,8 @@ class StageConfig:
     handler: str | None = None
     next: str | None = None
     parallelism: int = 4
-    queue_limit: int = 4
-    max_messages: int = 1000
+    queue_limit: int = 64  # the most ids a worker holds; its window adapts below (P-6)
+    max_messages: int = 100_000  # recycle a worker after this many (P-6); see docs/configuration.md
     max_runtime: float = 300.0
     max_lifetime: float = 120 * 3600.0
     retry_delay: float = 60.0  # first host-failure retry; doubles each time

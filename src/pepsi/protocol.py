@@ -17,6 +17,7 @@ protocol); an unreadable report is dropped with a warning.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable, Sequence
@@ -107,6 +108,15 @@ def format_status(status: int, report: Sequence[Pass] | None = None) -> bytes:
     """A status line written by a worker."""
     if report is None:
         return b"%d\n" % status
-    entries = [[p.stage, p.micros] + ([p.outcome] if p.outcome else []) for p in report]
-    body = json.dumps(entries, separators=(",", ":"))
-    return b"%d %s\n" % (status, body.encode())
+    entries = b",".join(
+        b"[%s,%d%s]"
+        % (_json_text(p.stage), p.micros, b"," + _json_text(p.outcome) if p.outcome else b"")
+        for p in report
+    )
+    return b"%d [%s]\n" % (status, entries)
+
+
+@functools.cache
+def _json_text(text: str) -> bytes:
+    """A stage name or outcome as a JSON string (few distinct values: cached)."""
+    return json.dumps(text).encode()

@@ -4,6 +4,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pepsi.dispatch.pools import (
+    INITIAL_WINDOW,
+    PREFETCH_SECONDS,
+    Pace,
     WorkerLoad,
     assign,
     free_capacity,
@@ -19,48 +22,79 @@ def load(key: int, inflight: int, queue_limit: int = 4, **kw: float | None) -> W
 
 
 def test_empty_stage_starts_with_one_worker() -> None:
-    assert free_capacity([], limit=4, queue_limit=4) == 4
+    assert free_capacity([], limit=4, window=4) == 4
 
 
 def test_pool_grows_one_worker_at_a_time() -> None:
     starting = WorkerLoad(1, 4, room=0, ready=False)
-    assert free_capacity([starting], limit=4, queue_limit=4) == 0
+    assert free_capacity([starting], limit=4, window=4) == 0
     ready = WorkerLoad(1, 4, room=0, ready=True)
-    assert free_capacity([ready], limit=4, queue_limit=4) == 4
+    assert free_capacity([ready], limit=4, window=4) == 4
     full = [WorkerLoad(k, 4, room=0) for k in range(4)]
-    assert free_capacity(full, limit=4, queue_limit=4) == 0
+    assert free_capacity(full, limit=4, window=4) == 0
 
 
 def test_work_is_packed_onto_the_busiest_worker_first() -> None:
     workers = [load(1, 0), load(2, 3), load(3, 1)]
-    plan = assign([10, 11, 12], workers, limit=4, queue_limit=4)
+    plan = assign([10, 11, 12], workers, limit=4, window=4)
     assert plan.to_existing == {2: [10], 3: [11, 12]}
     assert plan.to_new == []
 
 
 def test_new_worker_only_when_existing_are_full() -> None:
-    plan = assign(list(range(6)), [load(1, 2)], limit=3, queue_limit=4)
+    plan = assign(list(range(6)), [load(1, 2)], limit=3, window=4)
     assert plan.to_existing == {1: [0, 1]}
     assert plan.to_new == [[2, 3, 4, 5]]
 
 
 def test_light_load_settles_on_one_worker() -> None:
-    plan = assign([1], [], limit=4, queue_limit=4)
+    plan = assign([1], [], limit=4, window=4)
     assert plan.to_new == [[1]]
-    plan = assign([2], [load(1, 1)], limit=4, queue_limit=4)
+    plan = assign([2], [load(1, 1)], limit=4, window=4)
     assert plan.to_existing == {1: [2]}
 
 
 def test_beyond_capacity_is_left_over() -> None:
-    assert assign(list(range(5)), [], limit=1, queue_limit=4).leftover == [4]
-    plan = assign(list(range(5)), [], limit=4, queue_limit=4)  # one new worker at a time
+    assert assign(list(range(5)), [], limit=1, window=4).leftover == [4]
+    plan = assign(list(range(5)), [], limit=4, window=4)  # one new worker at a time
     assert plan.leftover == [4]
 
 
 def test_max_messages_budget_limits_room() -> None:
-    assert room_for(inflight=1, handled=8, queue_limit=4, max_messages=10) == 1
-    assert room_for(inflight=0, handled=10, queue_limit=4, max_messages=10) == 0
-    assert room_for(inflight=0, handled=0, queue_limit=4, max_messages=10) == 4
+    assert room_for(inflight=1, handled=8, window=4, max_messages=10) == 1
+    assert room_for(inflight=0, handled=10, window=4, max_messages=10) == 0
+    assert room_for(inflight=0, handled=0, window=4, max_messages=10) == 4
+
+
+def test_a_worker_is_topped_up_once_down_to_half_its_window() -> None:
+    assert room_for(inflight=33, handled=0, window=64, max_messages=10**6) == 0
+    assert room_for(inflight=32, handled=0, window=64, max_messages=10**6) == 32
+    assert room_for(inflight=0, handled=0, window=1, max_messages=10**6) == 1
+    assert room_for(inflight=1, handled=0, window=1, max_messages=10**6) == 0
+
+
+def test_window_starts_small_and_follows_the_pace() -> None:
+    pace = Pace()
+    assert pace.window(64) == INITIAL_WINDOW
+    assert pace.window(2) == 2
+    pace.observe(0.00002)  # a no-op stage: the whole QUEUE_LIMIT
+    assert pace.window(64) == 64
+    slow = Pace()
+    slow.observe(0.2)  # 200 ms a message: one at a time, spread over the pool
+    assert slow.window(64) == 1
+    medium = Pace()
+    medium.observe(PREFETCH_SECONDS / 10)
+    assert medium.window(64) == 10
+
+
+def test_pace_of_a_batch_answered_at_once_averages_to_its_messages() -> None:
+    pace = Pace()
+    for _ in range(400):  # batches of 4 answered together after 40 ms
+        for sample in (0.04, 0.0, 0.0, 0.0):
+            pace.observe(sample)
+    assert pace.seconds is not None
+    assert 0.004 < pace.seconds < 0.02  # about 10 ms a message
+    assert 3 <= pace.window(64) <= 10
 
 
 def test_worker_limit_cap() -> None:

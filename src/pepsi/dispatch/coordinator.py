@@ -72,6 +72,7 @@ class StagePool:
     # Claimed ids whose worker died with several of them in flight: which one
     # killed it is unknown, so each runs alone on an empty worker (W-6).
     isolate: deque[int] = field(default_factory=deque)
+    pace: pools.Pace = field(default_factory=pools.Pace)
 
     def loads(self) -> list[pools.WorkerLoad]:
         """Loads of the workers not already on their way out."""
@@ -82,7 +83,10 @@ class StagePool:
         return [self._load(w) for w in self.workers.values()]
 
     def _load(self, worker: WorkerProcess) -> pools.WorkerLoad:
-        return worker.load(self.config.queue_limit, self.config.max_messages)
+        return worker.load(self.window(), self.config.max_messages)
+
+    def window(self) -> int:
+        return self.pace.window(self.config.queue_limit)
 
     def limit(self, cap: int | None) -> int:
         return pools.worker_limit(self.config.parallelism, cap)
@@ -90,7 +94,7 @@ class StagePool:
     def free(self, now: float, cap: int | None) -> int:
         if now < self.cooldown_until:
             return 0
-        free = pools.free_capacity(self.all_loads(), self.limit(cap), self.config.queue_limit)
+        free = pools.free_capacity(self.all_loads(), self.limit(cap), self.window())
         return max(0, free - len(self.isolate))
 
 
@@ -297,15 +301,22 @@ class Dispatcher:
             self.next_housekeeping = now + self.config.dispatch.stats_interval
         await self._isolate()
         await self._claim()
-        idle = not any(w.inflight for p in self.pools.values() for w in p.workers.values())
-        if self.stats and (now >= self.next_stats or (idle and now - self.last_stats_flush >= 1.0)):
+        if self.stats and (
+            now >= self.next_stats or (self._idle() and now - self.last_stats_flush >= 1.0)
+        ):
             await self._flush_stats()
+
+    def _idle(self) -> bool:
+        """No worker holds a message: the pipeline has gone idle (P-9)."""
+        return not any(w.inflight for p in self.pools.values() for w in p.workers.values())
 
     def _sleep_time(self) -> float:
         now = time.monotonic()
         deadlines = [self.next_poll]
-        if self.stats:  # flush when idle (at most once a second) or at the tick
-            deadlines.append(min(self.next_stats, self.last_stats_flush + 1.0))
+        if self.stats:  # flush at the tick, or when idle (at most once a second)
+            deadlines.append(self.next_stats)
+            if self._idle():  # while busy, that deadline would wake the loop in a spin
+                deadlines.append(self.last_stats_flush + 1.0)
         for pool in self.pools.values():
             for w in pool.workers.values():
                 if w.stopping:
@@ -475,7 +486,7 @@ class Dispatcher:
     async def _feed(self, pool: StagePool, ids: list[int]) -> None:
         stage = pool.config
         cap = backpressure.limit_for(self.caps, stage.name, time.monotonic())
-        plan = pools.assign(ids, pool.all_loads(), pool.limit(cap), stage.queue_limit)
+        plan = pools.assign(ids, pool.all_loads(), pool.limit(cap), pool.window())
         if plan.leftover:  # capacity shrank while the claim ran (a worker died)
             self._requeue(stage.name, plan.leftover)
         for key, batch in plan.to_existing.items():
@@ -546,6 +557,7 @@ class Dispatcher:
 
     def _on_status(self, worker: WorkerProcess, wid: int, status: StatusLine) -> None:
         self.completed_total += 1
+        self.pools[worker.stage].pace.observe(worker.answer_time)
         if status.report_error:
             log.warning(
                 "stage %s: worker pid %s: %s", worker.stage, worker.pid, status.report_error

@@ -1,29 +1,70 @@
 """Pool sizing and packing decisions (P-6). Pure: loads in, decisions out.
 
 A stage's pool grows on demand up to PARALLELISM workers, each holding up to
-QUEUE_LIMIT ids. Work is packed onto as few workers as possible (the busiest
+its window of ids. Work is packed onto as few workers as possible (the busiest
 worker with room first), so surplus workers go idle and are stopped after
 WORKER_IDLE_TIMEOUT; under light load a stage settles on one worker.
+
+The window is adaptive, up to QUEUE_LIMIT: a worker's queue holds about
+PREFETCH_SECONDS of work at the stage's measured pace. A fast stage gets the
+whole QUEUE_LIMIT (large batches, few claims); a slow one gets a window of one
+or two, so its messages spread over the pool instead of queueing behind one
+worker. A worker is topped up once it is down to half its window, so a claim
+takes half a window at least rather than one id per answer.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+PREFETCH_SECONDS = 0.05  # a worker's queue holds about this much work at most
+INITIAL_WINDOW = 4  # ids per worker until the stage's pace is known
+PACE_WEIGHT = 0.05  # weight of the newest answer in the running average
+
+
+@dataclass
+class Pace:
+    """A stage's seconds per message, from how long its workers take to answer.
+
+    A sample is the time from a message reaching the head of its worker's
+    queue to its status line; a batch answered at once gives its whole time
+    to the first line and none to the others, which averages out right.
+    """
+
+    seconds: float | None = None
+
+    def observe(self, seconds: float) -> None:
+        if self.seconds is None:
+            self.seconds = seconds
+        else:
+            self.seconds += PACE_WEIGHT * (seconds - self.seconds)
+
+    def window(self, queue_limit: int) -> int:
+        """Ids a worker may hold: PREFETCH_SECONDS of work, 1 … QUEUE_LIMIT."""
+        if self.seconds is None:
+            return min(queue_limit, INITIAL_WINDOW)
+        if self.seconds * queue_limit <= PREFETCH_SECONDS:
+            return queue_limit
+        return max(1, min(queue_limit, math.ceil(PREFETCH_SECONDS / self.seconds)))
 
 
 @dataclass(frozen=True)
 class WorkerLoad:
     key: int
     inflight: int  # ids written to it and not yet answered
-    room: int  # ids it may still take now (QUEUE_LIMIT and MAX_MESSAGES allowing)
+    room: int  # ids it may still take now (its window and MAX_MESSAGES allowing)
     idle_since: float | None = None  # monotonic time it last became empty
     ready: bool = True  # False until the worker has printed `ready`
 
 
-def room_for(inflight: int, handled: int, queue_limit: int, max_messages: int) -> int:
-    """Ids a worker may take: its queue's free slots, within its MAX_MESSAGES budget."""
-    return max(0, min(queue_limit - inflight, max_messages - handled - inflight))
+def room_for(inflight: int, handled: int, window: int, max_messages: int) -> int:
+    """Ids a worker may take: its window's free slots once it is down to half of it,
+    within its MAX_MESSAGES budget."""
+    if inflight > window // 2:
+        return 0  # topped up at half: claims come in half windows, not an id per answer
+    return max(0, min(window - inflight, max_messages - handled - inflight))
 
 
 @dataclass(frozen=True)
@@ -51,13 +92,13 @@ def startable(workers: Sequence[WorkerLoad], limit: int) -> int:
     return 1 if len(workers) < limit else 0
 
 
-def free_capacity(workers: Sequence[WorkerLoad], limit: int, queue_limit: int) -> int:
+def free_capacity(workers: Sequence[WorkerLoad], limit: int, window: int) -> int:
     """Ids the stage can take now: room in its workers plus a worker it may start."""
-    return sum(w.room for w in workers) + startable(workers, limit) * queue_limit
+    return sum(w.room for w in workers) + startable(workers, limit) * window
 
 
 def assign(
-    ids: Sequence[int], workers: Sequence[WorkerLoad], limit: int, queue_limit: int
+    ids: Sequence[int], workers: Sequence[WorkerLoad], limit: int, window: int
 ) -> Assignment:
     """Pack `ids` onto the busiest workers with room first, then onto new workers.
 
@@ -74,8 +115,8 @@ def assign(
         take = worker.room
         result.to_existing[worker.key], pending = pending[:take], pending[take:]
     if pending and startable(workers, limit):
-        result.to_new.append(pending[:queue_limit])
-        pending = pending[queue_limit:]
+        result.to_new.append(pending[:window])
+        pending = pending[window:]
     result.leftover.extend(pending)
     return result
 

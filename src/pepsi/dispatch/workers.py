@@ -26,6 +26,8 @@ from pepsi.protocol import ProtocolError, StatusLine, encode_ids, is_ready, pars
 log = logging.getLogger("pepsi.dispatch")
 
 KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when stopping a child
+READ_CHUNK = 65536  # bytes read from a child's stdout at once
+MAX_LINE = 65536  # a longer status line is unreadable: the child is torn down
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class WorkerProcess:
         self.started_at = time.monotonic()
         self.idle_since: float | None = self.started_at
         self.head_since: float | None = None  # when the head id reached the head
+        self.answer_time = 0.0  # seconds its last answer took from reaching the head
         self._on_ready = on_ready
         self._on_status = on_status
         self._on_exit = on_exit
@@ -81,11 +84,11 @@ class WorkerProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
-    def load(self, queue_limit: int, max_messages: int) -> WorkerLoad:
+    def load(self, window: int, max_messages: int) -> WorkerLoad:
         room = (
             0
             if self.stopping or self.solo
-            else room_for(len(self.inflight), self.handled, queue_limit, max_messages)
+            else room_for(len(self.inflight), self.handled, window, max_messages)
         )
         return WorkerLoad(
             self.key, len(self.inflight), room, idle_since=self.idle_since, ready=self.ready
@@ -166,34 +169,40 @@ class WorkerProcess:
                 self.last_words = text[:500]
 
     async def _read(self) -> None:
+        """Read the child's answers a chunk at a time: a batch's lines cost one read."""
         assert self._proc is not None
         assert self._proc.stdout is not None
         stdout = self._proc.stdout
+        pending = b""
         try:
-            while True:
-                line = await stdout.readline()
-                if not line:
-                    break
-                if not self.ready:
-                    if is_ready(line):
-                        self.ready = True
-                        if self.inflight:  # MAX_RUNTIME counts from here, not from spawn
-                            self.head_since = time.monotonic()
-                        self._on_ready(self)
-                        continue
-                    raise ProtocolError(f"expected 'ready', got {line[:80]!r}")
-                self._status(line)
+            while chunk := await stdout.read(READ_CHUNK):
+                *lines, pending = (pending + chunk).split(b"\n")
+                if len(pending) > MAX_LINE:
+                    raise ProtocolError("status line too long")
+                for line in lines:
+                    self._line(line)
+            if pending:
+                self._line(pending)  # a last line without its newline
         except ProtocolError as exc:
             self.garbled = self.ready and bool(self.inflight)
             self.kill(str(exc))
-        except (ValueError, asyncio.LimitOverrunError):
-            self.kill("status line too long")
         returncode = await self._proc.wait()
         if self._stderr_task is not None:
             # a grandchild may keep stderr open: do not wait for it forever
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(self._stderr_task, 2.0)
         self._finish(returncode)
+
+    def _line(self, line: bytes) -> None:
+        if self.ready:
+            self._status(line)
+        elif is_ready(line):
+            self.ready = True
+            if self.inflight:  # MAX_RUNTIME counts from here, not from spawn
+                self.head_since = time.monotonic()
+            self._on_ready(self)
+        else:
+            raise ProtocolError(f"expected 'ready', got {line[:80]!r}")
 
     def _status(self, line: bytes) -> None:
         status = parse_status(line)  # ProtocolError: unreadable, tear down
@@ -202,6 +211,7 @@ class WorkerProcess:
         wid = self.inflight.popleft()
         self.handled += 1
         now = time.monotonic()
+        self.answer_time = now - self.head_since if self.head_since is not None else 0.0
         self.head_since = now if self.inflight else None
         if not self.inflight:
             self.idle_since = now

@@ -256,7 +256,8 @@ class StageRunner:
         return result
 
     def _run_one(self, msg: Message, batch: Batch) -> None:
-        loaded_state = json.dumps(msg.state)
+        # An empty state (the common case) needs no copy to restore from.
+        loaded_state = json.dumps(msg.state) if msg.state else "{}"
         try:
             outcome = self._call(msg)
             _check_state(msg, loaded_state)
@@ -344,6 +345,8 @@ def _check_state(msg: Message, loaded: str, *, quiet: bool = False) -> None:
     On the success path that is the stage's error (a host failure); on an
     error path the stage's own error is what gets recorded.
     """
+    if type(msg.state) is dict and not msg.state:
+        return  # empty: JSON as it stands (the common case, without encoding it)
     try:
         json.dumps(msg.state)
     except (TypeError, ValueError) as exc:
