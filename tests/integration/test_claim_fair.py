@@ -85,13 +85,26 @@ def test_sql_claims_what_the_pure_ranking_chooses(
 
 def test_window_rotates_past_64_senders(conn: Conn) -> None:
     users = [f"u{i:03d}" for i in range(100)]
-    insert(conn, "s", users)
-    first, start = claim(conn, "s", 200)
-    assert len(first) == 64  # one row from each of the first 64 senders
+    insert(conn, "s", users + users)  # two rows each: 200 pending, more than a claim takes
+    first, start = claim(conn, "s", 150)
+    assert len(first) == 128  # both rows of each of the first 64 senders
     assert start == "user:u063"
-    second, start = claim(conn, "s", 200, start=start)
-    assert len(second) == 36  # the other 36; the window wraps to the start
+    second, start = claim(conn, "s", 50, start=start)
+    assert len(second) == 50  # from the other 36 only; the window wraps to the start
     assert start == ""
+    senders = conn.execute(
+        "SELECT DISTINCT origin_user FROM pepsi.workqueue WHERE workqueue_id = ANY(%s)", (second,)
+    ).fetchall()
+    assert {s for (s,) in senders} <= set(users[64:])
+
+
+def test_everything_pending_fits_in_one_claim(conn: Conn) -> None:
+    """No ranking and no window when the claim can take every pending row."""
+    users = [f"u{i:03d}" for i in range(100)]
+    ids = insert(conn, "s", users)
+    claimed, start = claim(conn, "s", 200, start="user:u050", lags={"user:u001": 50.0})
+    assert sorted(claimed) == ids
+    assert start == "user:u050"  # the window stays where it was
     assert conn.execute(
         "SELECT count(*) FROM pepsi.workqueue WHERE status = 'pending'"
     ).fetchone() == (0,)

@@ -577,6 +577,17 @@ DECLARE
 BEGIN
     next_starts := '{}';
     FOR i IN 1 .. coalesce(array_length(stages, 1), 0) LOOP
+        -- When every pending row fits, the ranking would choose them all: take
+        -- them without it (an idle pipeline's claim, the latency path).
+        chosen := ARRAY(SELECT q.workqueue_id FROM pepsi.workqueue q
+                        WHERE q.stage = stages[i] AND q.status = 'pending'
+                        ORDER BY q.stage, q.workqueue_id
+                        LIMIT caps[i] + 1);
+        IF cardinality(chosen) <= caps[i] THEN
+            picked := picked || chosen;
+            next_starts := next_starts || starts[i];
+            CONTINUE;
+        END IF;
         senders := ARRAY(SELECT p.sender_key
                          FROM pepsi.workqueue_pending_senders(stages[i], starts[i], NULL,
                                                               max_senders) p);

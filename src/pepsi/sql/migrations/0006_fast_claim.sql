@@ -1,6 +1,7 @@
--- 0007: the fair claim bounds each sender's read from the lags in closed form
+-- 0006: the fair claim bounds each sender's read from the lags in closed form
 -- (it enumerated caps × senders virtual scores: 16 384 rows, most of a claim
--- of 256, at 64 senders) (P-5).
+-- of 256, at 64 senders) (P-5); when every pending row of a stage fits in the
+-- claim, it takes them all without ranking (the idle pipeline's claim).
 
 -- P-4 + P-5: one call claims, for every stage, up to its capacity: first
 -- fifo[i] of its oldest rows whatever the sender, then, among the oldest
@@ -34,6 +35,17 @@ DECLARE
 BEGIN
     next_starts := '{}';
     FOR i IN 1 .. coalesce(array_length(stages, 1), 0) LOOP
+        -- When every pending row fits, the ranking would choose them all: take
+        -- them without it (an idle pipeline's claim, the latency path).
+        chosen := ARRAY(SELECT q.workqueue_id FROM pepsi.workqueue q
+                        WHERE q.stage = stages[i] AND q.status = 'pending'
+                        ORDER BY q.stage, q.workqueue_id
+                        LIMIT caps[i] + 1);
+        IF cardinality(chosen) <= caps[i] THEN
+            picked := picked || chosen;
+            next_starts := next_starts || starts[i];
+            CONTINUE;
+        END IF;
         senders := ARRAY(SELECT p.sender_key
                          FROM pepsi.workqueue_pending_senders(stages[i], starts[i], NULL,
                                                               max_senders) p);
