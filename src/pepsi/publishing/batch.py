@@ -1,6 +1,11 @@
-"""One batch of messages as one call of `pepsi.workqueue_publish`. Pure.
+"""One batch of messages as one call of the publish function. Pure.
 
-`build` checks routes and messages and makes the call's parameters;
+`build` checks routes and messages and makes the call: the general
+`pepsi.workqueue_publish` (dedup, MAX_LENGTH, envelope fields), or
+`pepsi.workqueue_publish_plain` when every message is only a stage, a header
+block and a body, no stage of the batch has a MAX_LENGTH and nothing is
+deduplicated (`pepsi.workqueue_publish_one` when that batch is one message).
+The batch goes as typed parallel arrays, in binary.
 `ids_from` maps the function's answer back onto the messages, in order.
 Messages of one batch that share a deduplicated message id are sent once and
 all get that message's id.
@@ -12,23 +17,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from psycopg.types.json import Jsonb
-
 from pepsi.config import Config, Overflow
 from pepsi.publishing.errors import NoRoute
-from pepsi.publishing.message import OutgoingMessage, validate
+from pepsi.publishing.message import OutgoingMessage, Row, validate
 
+# Both queries return one row per message sent, in publish order.
 SQL = (
     "SELECT out_ord, out_id, out_inserted FROM pepsi.workqueue_publish("
-    "%(rows)s::jsonb, %(headers)s::bytea[], %(bodies)s::bytea[], %(limits)s::jsonb, "
-    "%(window)s)"
+    "%b::text[], %b::text[], %b::boolean[], %b::text[], %b::text[], %b::text[], "
+    "%b::inet[], %b::text[], %b::text[], %b::text[], %b::text[], %b::jsonb[], "
+    "%b::timestamptz[], %b::bytea[], %b::bytea[], "
+    "%b::text[], %b::bigint[], %b::boolean[], %b::text[], %b)"
 )
+PLAIN_SQL = "SELECT * FROM pepsi.workqueue_publish_plain(%b::text[], %b::bytea[], %b::bytea[])"
+ONE_SQL = "SELECT pepsi.workqueue_publish_one(%b::text, %b::bytea, %b::bytea)"
 
 
 @dataclass(frozen=True)
 class BatchCall:
-    params: dict[str, Any]
-    positions: tuple[int, ...]  # for each message given, the `ord` it was sent as
+    sql: str
+    params: tuple[Any, ...]
+    positions: tuple[int, ...]  # for each message given, the `ord` it was sent as (from 1)
 
     @property
     def size(self) -> int:
@@ -41,47 +50,57 @@ def check_route(config: Config, stage: str) -> None:
         raise NoRoute(f"no stage named {stage!r} (stages: {known})")
 
 
-def build(messages: Sequence[OutgoingMessage], config: Config) -> BatchCall:
-    """Validate and route every message (refusing the batch on the first problem)."""
-    rows: list[dict[str, Any]] = []
-    headers: list[bytes | None] = []
-    bodies: list[bytes | None] = []
+def build(messages: Sequence[OutgoingMessage], config: Config, *, fast: bool = True) -> BatchCall:
+    """Validate and route every message (refusing the batch on the first problem).
+
+    `fast=False` always makes the general call (the tests compare the paths).
+    """
+    stages = config.stages
+    max_size = config.ingress.max_message_size
+    rows: list[Row] = []
     positions: list[int] = []
     first_of: dict[str, int] = {}
+    plain = fast
     for msg in messages:
-        check_route(config, msg.stage)
-        row = validate(msg, max_size=config.ingress.max_message_size)
-        if row["dedup"] and row["message_id"] in first_of:
-            positions.append(first_of[row["message_id"]])
-            continue
-        ord_ = len(rows) + 1
-        if row["dedup"]:
-            first_of[row["message_id"]] = ord_
-        headers.append(row.pop("_header"))
-        bodies.append(row.pop("_body"))
-        rows.append({"ord": ord_, **row})
-        positions.append(ord_)
-    limits = [
-        {
-            "stage": name,
-            "max_length": stage.max_length,
-            "drop_head": stage.overflow is Overflow.DROP_HEAD,
-            "bounce": stage.bounce_stage,
-        }
-        for name in sorted({r["stage"] for r in rows})
-        if (stage := config.stages[name]).max_length is not None
-    ]
-    params = {
-        "rows": Jsonb(rows),
-        "headers": headers,
-        "bodies": bodies,
-        "limits": Jsonb(limits),
-        "window": config.ingress.dedup_window,
-    }
-    return BatchCall(params, tuple(positions))
+        if msg.stage not in stages:
+            check_route(config, msg.stage)
+        row = validate(msg, max_size=max_size)
+        if row.dedup:
+            plain = False
+            assert row.message_id is not None  # validate refuses dedup without one
+            if row.message_id in first_of:
+                positions.append(first_of[row.message_id])
+                continue
+            first_of[row.message_id] = len(rows) + 1
+        elif plain and not row.plain:
+            plain = False
+        rows.append(row)
+        positions.append(len(rows))
+    limited = sorted(
+        name for name in {r.stage for r in rows} if stages[name].max_length is not None
+    )
+    if plain and not limited and len(rows) == 1:
+        one = rows[0]
+        return BatchCall(ONE_SQL, (one.stage, one.header, one.body), tuple(positions))
+    columns = [list(column) for column in zip(*rows, strict=True)]
+    if plain and not limited:
+        params: tuple[Any, ...] = (columns[0], columns[13], columns[14])
+        return BatchCall(PLAIN_SQL, params, tuple(positions))
+    limits = [stages[name] for name in limited]
+    params = (
+        *columns,
+        limited,
+        [s.max_length for s in limits],
+        [s.overflow is Overflow.DROP_HEAD for s in limits],
+        [s.bounce_stage for s in limits],
+        float(config.ingress.dedup_window),
+    )
+    return BatchCall(SQL, params, tuple(positions))
 
 
 def ids_from(call: BatchCall, answer: Sequence[tuple[Any, ...]]) -> list[int]:
     """The id of each message given to `build`, in order."""
+    if call.sql is not SQL:  # one id per message, in order
+        return [int(row[0]) for row in answer]
     by_ord = {int(row[0]): int(row[1]) for row in answer}
     return [by_ord[position] for position in call.positions]

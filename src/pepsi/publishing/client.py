@@ -150,9 +150,9 @@ class Publisher:
     def _execute(self, conn: AnyConn, call: batch.BatchCall) -> list[tuple[Any, ...]]:
         try:
             if conn.autocommit and conn.info.transaction_status.name == "IDLE":
-                return conn.execute(batch.SQL, call.params).fetchall()  # one round trip
+                return conn.execute(call.sql, call.params).fetchall()  # one round trip
             with conn.transaction():  # a savepoint in the caller's transaction
-                return conn.execute(batch.SQL, call.params).fetchall()
+                return conn.execute(call.sql, call.params).fetchall()
         except psycopg.Error as exc:
             raise _translate(exc) from exc
 
@@ -252,9 +252,9 @@ class AsyncPublisher:
     async def _execute(self, conn: AnyAConn, call: batch.BatchCall) -> list[tuple[Any, ...]]:
         try:
             if conn.autocommit and conn.info.transaction_status.name == "IDLE":
-                return await (await conn.execute(batch.SQL, call.params)).fetchall()
+                return await (await conn.execute(call.sql, call.params)).fetchall()
             async with conn.transaction():
-                return await (await conn.execute(batch.SQL, call.params)).fetchall()
+                return await (await conn.execute(call.sql, call.params)).fetchall()
         except psycopg.Error as exc:
             raise _translate(exc) from exc
 

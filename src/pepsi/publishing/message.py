@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from pepsi.publishing.errors import InvalidMessage
 
@@ -87,18 +87,71 @@ def _address(name: str, value: object, *, null_ok: bool = False) -> str | None:
     return text
 
 
-def validate(msg: OutgoingMessage, *, max_size: int, now: datetime | None = None) -> dict[str, Any]:
-    """Check `msg`; return the row it becomes (JSON-ready) plus its header and body."""
-    if not isinstance(msg.stage, str) or not msg.stage:
+class Row(NamedTuple):
+    """A checked message as `pepsi.workqueue_publish` takes it (one array element each)."""
+
+    stage: str
+    message_id: str | None
+    dedup: bool
+    sender: str | None
+    recipients: str | None  # an array literal; None: no recipients
+    origin_user: str | None
+    origin_peer: str | None
+    header_from: str | None
+    subject: str | None
+    content_type: str | None
+    correlation_id: str | None
+    properties: str | None  # JSON text; None: {}
+    expires: datetime | None
+    header: bytes | None
+    body: bytes | None
+
+    @property
+    def plain(self) -> bool:
+        """Only a stage, a header block and a body: `workqueue_publish_plain` can take it."""
+        return self[1:13] == _NOTHING
+
+
+_NOTHING = (None, False, *(None,) * 10)
+
+
+def validate(msg: OutgoingMessage, *, max_size: int, now: datetime | None = None) -> Row:
+    """Check `msg`; return the row it becomes, with its header block and body."""
+    stage = msg.stage
+    if not isinstance(stage, str) or not stage:
         raise InvalidMessage("stage must be a non-empty string")
     header = _as_bytes("header", msg.header)
     body = _as_bytes("body", msg.body)
-    size = len(header or b"") + len(body or b"")
+    size = (0 if header is None else len(header)) + (0 if body is None else len(body))
     if size > max_size:
         raise InvalidMessage(
             f"message is {size} bytes, over the limit of {max_size} ([pepsi-ingress] "
             "MAX_MESSAGE_SIZE)"
         )
+    recipients = msg.recipients
+    if (  # the common case: no envelope, no properties, no expiry; nothing else to check
+        msg.sender is None
+        and msg.message_id is None
+        and not msg.dedup
+        and isinstance(recipients, tuple | list)
+        and not recipients
+        and msg.user is None
+        and msg.peer is None
+        and msg.header_from is None
+        and msg.subject is None
+        and msg.content_type is None
+        and msg.correlation_id is None
+        and msg.expires is None
+        and isinstance(msg.headers, dict)
+        and not msg.headers
+    ):
+        return Row(stage, *_NOTHING, header, body)
+    return _checked(msg, header, body, now)
+
+
+def _checked(
+    msg: OutgoingMessage, header: bytes | None, body: bytes | None, now: datetime | None
+) -> Row:
     if isinstance(msg.recipients, str | bytes) or msg.recipients is None:
         raise InvalidMessage("recipients must be a list of addresses")
     recipients = [_address("recipient", r) for r in msg.recipients]
@@ -115,37 +168,44 @@ def validate(msg: OutgoingMessage, *, max_size: int, now: datetime | None = None
         raise InvalidMessage("dedup=True needs a message_id")
     if not isinstance(msg.headers, Mapping):
         raise InvalidMessage("headers must be a mapping")
-    try:
-        json.dumps(dict(msg.headers))
-    except (TypeError, ValueError) as exc:
-        raise InvalidMessage(f"headers are not JSON: {exc}") from None
-    return {
-        "stage": msg.stage,
-        "message_id": message_id,
-        "dedup": bool(msg.dedup),
-        "sender": _address("sender", msg.sender, null_ok=True),
-        "recipients": recipients,
-        "origin_user": _text("user", msg.user),
-        "origin_peer": peer,
-        "header_from": _text("header_from", msg.header_from),
-        "subject": _text("subject", msg.subject, empty=True),
-        "content_type": _text("content_type", msg.content_type),
-        "correlation_id": _text("correlation_id", msg.correlation_id),
-        "properties": dict(msg.headers),
-        "expires": _expiry(msg.expires, now or datetime.now(UTC)),
-        "has_body": header is not None or body is not None,
-        "_header": header,
-        "_body": body,
-    }
+    properties = None
+    if msg.headers:
+        try:
+            properties = json.dumps(dict(msg.headers))
+        except (TypeError, ValueError) as exc:
+            raise InvalidMessage(f"headers are not JSON: {exc}") from None
+    return Row(
+        msg.stage,
+        message_id,
+        bool(msg.dedup),
+        _address("sender", msg.sender, null_ok=True),
+        _array_literal(recipients) if recipients else None,
+        _text("user", msg.user),
+        peer,
+        _text("header_from", msg.header_from),
+        _text("subject", msg.subject, empty=True),
+        _text("content_type", msg.content_type),
+        _text("correlation_id", msg.correlation_id),
+        properties,
+        _expiry(msg.expires, now),
+        header,
+        body,
+    )
 
 
-def _expiry(value: datetime | float | None, now: datetime) -> str | None:
+def _array_literal(items: list[str | None]) -> str:
+    """A PostgreSQL text[] literal of `items` (checked addresses: never None)."""
+    quoted = ('"' + str(item).replace("\\", "\\\\").replace('"', '\\"') + '"' for item in items)
+    return "{" + ",".join(quoted) + "}"
+
+
+def _expiry(value: datetime | float | None, now: datetime | None) -> datetime | None:
     if value is None:
         return None
     if isinstance(value, datetime):
         if value.tzinfo is None:
             raise InvalidMessage("expires must be a timezone-aware datetime")
-        return value.isoformat()
+        return value
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise InvalidMessage("expires must be a datetime or a number of seconds > 0")
-    return (now + timedelta(seconds=float(value))).isoformat()
+    return (now or datetime.now(UTC)) + timedelta(seconds=float(value))

@@ -1,0 +1,170 @@
+-- 0007: a faster publish. The batch comes as typed parallel arrays (one
+-- element per message, in publish order) instead of a JSON document, and the
+-- common case (no dedup, no MAX_LENGTH stage, no envelope fields) has a
+-- LANGUAGE sql path of its own that skips the dedup and limit machinery.
+
+DROP FUNCTION pepsi.workqueue_publish(jsonb, bytea[], bytea[], jsonb, double precision);
+
+-- R-1, R-3, R-6: publish a batch in one round trip. Element i of every array
+-- is message i (ord i, from 1); `recipients` holds each message's recipients
+-- as an array literal (NULL: none), `properties` its producer properties
+-- (NULL: {}). Returns, per message, its id and whether it was inserted
+-- (false: a duplicate within the dedup window, whose original id is
+-- returned). Length-limited stages (limit_* arrays, one element per stage)
+-- are locked first, so publishes never overshoot MAX_LENGTH; the check runs
+-- after the insert and either rejects the whole batch (SQLSTATE PP001) or
+-- dead-letters the oldest pending rows (drop-head). One NOTIFY for the batch;
+-- the commit is synchronous whatever the session's default.
+CREATE FUNCTION pepsi.workqueue_publish(
+    stages text[],
+    message_ids text[],
+    dedups boolean[],
+    senders text[],
+    recipients text[],
+    origin_users text[],
+    origin_peers inet[],
+    header_froms text[],
+    subjects text[],
+    content_types text[],
+    correlation_ids text[],
+    properties jsonb[],
+    expires timestamptz[],
+    headers bytea[],
+    bodies bytea[],
+    limit_stages text[] DEFAULT '{}',
+    limit_lengths bigint[] DEFAULT '{}',
+    limit_drop_heads boolean[] DEFAULT '{}',
+    limit_bounces text[] DEFAULT '{}',
+    dedup_window double precision DEFAULT 86400
+) RETURNS TABLE (out_ord integer, out_id bigint, out_inserted boolean)
+LANGUAGE plpgsql AS $$
+DECLARE
+    lim record;
+    lo bigint;
+    hi bigint;
+    pending bigint;
+    victims bigint[];
+BEGIN
+    PERFORM set_config('synchronous_commit', 'on', true);
+    IF cardinality(limit_stages) > 0 THEN
+        PERFORM pg_advisory_xact_lock(1885696116, hashtext(s.stage))
+        FROM (SELECT l.stage FROM unnest(limit_stages) AS l(stage) ORDER BY l.stage) s;
+    END IF;
+
+    RETURN QUERY
+    WITH input AS (
+        SELECT u.*, coalesce(u.dedup, false) AS deduped,
+               nextval('pepsi.workqueue_workqueue_id_seq') AS new_id,
+               CASE WHEN u.header IS NOT NULL OR u.body IS NOT NULL
+                    THEN nextval('pepsi.workqueue_body_body_id_seq') END AS new_body_id
+        FROM unnest(stages, message_ids, dedups, senders, recipients, origin_users,
+                    origin_peers, header_froms, subjects, content_types, correlation_ids,
+                    properties, expires, headers, bodies) WITH ORDINALITY
+             AS u(stage, message_id, dedup, sender, recipients, origin_user, origin_peer,
+                  header_from, subject, content_type, correlation_id, properties, expires,
+                  header, body, ord)
+    ), dedup AS (
+        INSERT INTO pepsi.publish_dedup AS d (message_id, workqueue_id, published)
+        SELECT i.message_id, i.new_id, now() FROM input i WHERE i.deduped
+        ON CONFLICT (message_id) DO UPDATE
+        SET workqueue_id = CASE
+                WHEN d.published < now() - make_interval(secs => dedup_window)
+                THEN EXCLUDED.workqueue_id ELSE d.workqueue_id END,
+            published = CASE
+                WHEN d.published < now() - make_interval(secs => dedup_window)
+                THEN EXCLUDED.published ELSE d.published END
+        RETURNING d.message_id, d.workqueue_id
+    ), fresh AS (
+        SELECT i.*
+        FROM input i LEFT JOIN dedup x ON i.deduped AND x.message_id = i.message_id
+        WHERE NOT i.deduped OR x.workqueue_id = i.new_id
+    ), stored_bodies AS (
+        INSERT INTO pepsi.workqueue_body (body_id, header, body) OVERRIDING SYSTEM VALUE
+        SELECT f.new_body_id, f.header, f.body FROM fresh f WHERE f.new_body_id IS NOT NULL
+    ), stored_rows AS (
+        INSERT INTO pepsi.workqueue
+            (workqueue_id, stage, message_id, sender, recipients, origin_user, origin_peer,
+             header_from, subject, content_type, correlation_id, properties, expires, body_id)
+        SELECT f.new_id, f.stage, f.message_id, f.sender, coalesce(f.recipients::text[], '{}'),
+               f.origin_user, f.origin_peer, f.header_from, f.subject, f.content_type,
+               f.correlation_id, coalesce(f.properties, '{}'), f.expires, f.new_body_id
+        FROM fresh f
+        ORDER BY f.ord
+    )
+    SELECT i.ord::integer, coalesce(x.workqueue_id, i.new_id),
+           (NOT i.deduped OR x.workqueue_id = i.new_id)
+    FROM input i LEFT JOIN dedup x ON i.deduped AND x.message_id = i.message_id
+    ORDER BY i.ord;
+
+    FOR lim IN  -- no rows (and no work) without limits
+        SELECT * FROM unnest(limit_stages, limit_lengths, limit_drop_heads, limit_bounces)
+            AS l(stage, max_length, drop_head, bounce)
+    LOOP
+        -- Two index probes bound the count: well under the limit, no counting.
+        SELECT min(w.workqueue_id), max(w.workqueue_id) INTO lo, hi
+        FROM pepsi.workqueue w WHERE w.stage = lim.stage AND w.status = 'pending';
+        CONTINUE WHEN lo IS NULL OR hi - lo + 1 <= lim.max_length;
+        SELECT count(*) INTO pending FROM (
+            SELECT 1 FROM pepsi.workqueue w
+            WHERE w.stage = lim.stage AND w.status = 'pending'
+            ORDER BY w.stage, w.workqueue_id
+            LIMIT lim.max_length + cardinality(stages)) s;
+        CONTINUE WHEN pending <= lim.max_length;
+        IF NOT lim.drop_head THEN
+            RAISE EXCEPTION 'stage % is full (MAX_LENGTH %)', lim.stage, lim.max_length
+                USING ERRCODE = 'PP001', DETAIL = lim.stage;
+        END IF;
+        SELECT array_agg(v.workqueue_id) INTO victims FROM (
+            SELECT w.workqueue_id FROM pepsi.workqueue w
+            WHERE w.stage = lim.stage AND w.status = 'pending'
+            ORDER BY w.stage, w.workqueue_id
+            LIMIT pending - lim.max_length) v;
+        PERFORM pepsi.workqueue_dead_letter(victims, lim.bounce, 'overflow');
+    END LOOP;
+
+    PERFORM pg_notify('workqueue', '');
+END
+$$;
+
+-- The common case of workqueue_publish: no dedup, no length-limited stage,
+-- only a stage, a header block and a body per message (either may be NULL;
+-- both NULL: no body row). No plpgsql, no dedup or limit work. Returns the
+-- ids in publish order (ascending: FIFO order is the order given).
+CREATE FUNCTION pepsi.workqueue_publish_plain(stages text[], headers bytea[], bodies bytea[])
+RETURNS SETOF bigint
+LANGUAGE sql AS $$
+    SELECT set_config('synchronous_commit', 'on', true), pg_notify('workqueue', '');
+    WITH input AS (
+        SELECT u.stage, u.header, u.body, u.ord,
+               nextval('pepsi.workqueue_workqueue_id_seq') AS new_id,
+               CASE WHEN u.header IS NOT NULL OR u.body IS NOT NULL
+                    THEN nextval('pepsi.workqueue_body_body_id_seq') END AS new_body_id
+        FROM unnest(stages, headers, bodies) WITH ORDINALITY AS u(stage, header, body, ord)
+    ), stored_bodies AS (
+        INSERT INTO pepsi.workqueue_body (body_id, header, body) OVERRIDING SYSTEM VALUE
+        SELECT i.new_body_id, i.header, i.body FROM input i WHERE i.new_body_id IS NOT NULL
+    ), stored_rows AS (
+        INSERT INTO pepsi.workqueue (workqueue_id, stage, body_id)
+        SELECT i.new_id, i.stage, i.new_body_id FROM input i
+        ORDER BY i.ord
+    )
+    SELECT i.new_id FROM input i ORDER BY i.ord
+$$;
+
+-- workqueue_publish_plain for a batch of one (a single publish): no arrays,
+-- no numbering. Returns the message's id.
+CREATE FUNCTION pepsi.workqueue_publish_one(stage text, header bytea, body bytea)
+RETURNS bigint
+LANGUAGE sql AS $$
+    SELECT set_config('synchronous_commit', 'on', true), pg_notify('workqueue', '');
+    WITH stored_body AS (
+        INSERT INTO pepsi.workqueue_body (header, body)
+        SELECT header, body WHERE header IS NOT NULL OR body IS NOT NULL
+        RETURNING body_id
+    ), stored_row AS (
+        INSERT INTO pepsi.workqueue (stage, body_id)
+        VALUES (stage, (SELECT b.body_id FROM stored_body b))
+        RETURNING workqueue_id
+    )
+    SELECT r.workqueue_id FROM stored_row r
+$$;

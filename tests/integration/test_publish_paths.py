@@ -1,0 +1,166 @@
+"""The publish function's fast paths (`workqueue_publish_one`, `_plain`) and its
+general path (`workqueue_publish`) write the same rows."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from pepsi.config import Config, load_config
+from pepsi.publishing import OutgoingMessage, Publisher, batch
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+CONF = """
+[stage-inbound]
+HANDLER = tests.stages:noop
+[stage-other]
+HANDLER = tests.stages:noop
+[stage-small]
+HANDLER = tests.stages:noop
+MAX_LENGTH = 100
+"""
+
+# Everything but the ids: the row and its body row, as the database stores them.
+ROWS = """
+SELECT w.stage, w.status::text, w.message_id, w.sender, w.recipients, w.origin_user,
+       host(w.origin_peer), w.header_from, w.subject, w.content_type, w.correlation_id,
+       w.properties, w.expires, w.state, w.sender_key, w.arrived = now() - (now() - w.arrived),
+       w.body_id IS NULL, b.header, b.body
+FROM pepsi.workqueue w LEFT JOIN pepsi.workqueue_body b USING (body_id)
+WHERE w.workqueue_id = ANY(%s) ORDER BY w.workqueue_id
+"""
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Config:
+    path = tmp_path / "pepsi.conf"
+    path.write_text(CONF)
+    return load_config(path)
+
+
+@pytest.fixture
+def pub(config: Config, dsn: str) -> Iterator[Publisher]:
+    with Publisher(config, dsn) as publisher:
+        yield publisher
+
+
+def general(conn: Conn, messages: list[OutgoingMessage], config: Config) -> list[int]:
+    call = batch.build(messages, config, fast=False)
+    assert call.sql is batch.SQL
+    with conn.transaction():
+        answer = conn.execute(call.sql, call.params).fetchall()
+    return batch.ids_from(call, answer)
+
+
+def rows(conn: Conn, ids: list[int]) -> list[tuple[Any, ...]]:
+    return conn.execute(ROWS, (ids,)).fetchall()
+
+
+PLAIN = [
+    OutgoingMessage("inbound", b"body only"),
+    OutgoingMessage("other", header=b"Subject: header only\r\n"),
+    OutgoingMessage("inbound", "both", header=b"X: y\r\n"),
+    OutgoingMessage("inbound"),  # neither: no body row
+    OutgoingMessage("inbound", b""),  # an empty body is a body
+    OutgoingMessage("other", b"\x00\xff binary"),
+]
+
+
+def test_fast_paths_are_taken(config: Config) -> None:
+    assert batch.build(PLAIN[:1], config).sql is batch.ONE_SQL
+    assert batch.build(PLAIN, config).sql is batch.PLAIN_SQL
+    assert batch.build([*PLAIN, OutgoingMessage("inbound", sender="a@b.c")], config).sql is (
+        batch.SQL
+    )
+    assert batch.build([OutgoingMessage("small")], config).sql is batch.SQL  # MAX_LENGTH
+    dedup = OutgoingMessage("inbound", message_id="m", dedup=True)
+    assert batch.build([dedup], config).sql is batch.SQL
+
+
+def test_plain_batch_writes_what_the_general_path_writes(
+    pub: Publisher, conn: Conn, config: Config
+) -> None:
+    fast = pub.publish_many(PLAIN)
+    slow = general(conn, PLAIN, config)
+    assert fast == sorted(fast)  # FIFO order is the order given
+    assert slow == sorted(slow)
+    assert min(slow) > max(fast)
+    assert rows(conn, fast) == rows(conn, slow)
+    got = rows(conn, fast)
+    assert [r[-3:] for r in got] == [
+        (False, None, b"body only"),
+        (False, b"Subject: header only\r\n", None),
+        (False, b"X: y\r\n", b"both"),
+        (True, None, None),
+        (False, None, b""),
+        (False, None, b"\x00\xff binary"),
+    ]
+    assert {r[1] for r in got} == {"pending"}
+    assert {r[14] for r in got} == {"null:"}  # sender_key, computed by the database
+
+
+def test_single_publish_writes_what_the_general_path_writes(
+    pub: Publisher, conn: Conn, config: Config
+) -> None:
+    for msg in PLAIN:
+        fast = [pub.publish(msg.stage, msg.body, header=msg.header)]
+        slow = general(conn, [msg], config)
+        assert rows(conn, fast) == rows(conn, slow)
+
+
+def test_every_field_travels_through_the_arrays(pub: Publisher, conn: Conn) -> None:
+    when = datetime(2031, 5, 6, 7, 8, 9, tzinfo=UTC)
+    odd = 'a"b\\c,{d}NULL@x.org'  # quotes, a backslash, a comma and braces in an address
+    msg = OutgoingMessage(
+        "inbound", b"b", header=b"h", sender="s@example.org",
+        recipients=(odd, "NULL@y.org", "z@y.org"), user="alice", peer="2001:DB8::7",
+        message_id="m-1", header_from="A <a@x>", subject="", content_type="text/plain",
+        correlation_id="c-1", headers={"k": [1, "two"], "n": None}, expires=when,
+    )  # fmt: skip
+    bare = OutgoingMessage("other", recipients=("r@example.net",), expires=60.0)
+    ids = pub.publish_many([msg, bare])
+    got = rows(conn, ids)
+    assert got[0] == (
+        "inbound", "pending", "m-1", "s@example.org", [odd, "NULL@y.org", "z@y.org"], "alice",
+        "2001:db8::7", "A <a@x>", "", "text/plain", "c-1", {"k": [1, "two"], "n": None},
+        when, {}, "user:alice", True, False, b"h", b"b",
+    )  # fmt: skip
+    assert got[1][:4] == ("other", "pending", None, None)
+    assert got[1][4] == ["r@example.net"]
+    assert got[1][11] == {}
+    assert got[1][14] == "null:example.net"
+    row = conn.execute(
+        "SELECT expires - now() FROM pepsi.workqueue WHERE workqueue_id = %s", (ids[1],)
+    ).fetchone()
+    assert row is not None
+    assert 30 < row[0].total_seconds() <= 61
+
+
+def test_one_notify_per_call_on_every_path(pub: Publisher, dsn: str) -> None:
+    listener = psycopg.connect(dsn, autocommit=True)
+    listener.execute("LISTEN workqueue")
+    pub.publish("inbound", b"x")
+    pub.publish_many(PLAIN)
+    pub.publish_many([OutgoingMessage("small"), OutgoingMessage("inbound", sender="a@b.c")])
+    notes = list(listener.notifies(timeout=1, stop_after=4))
+    listener.close()
+    assert [n.channel for n in notes] == ["workqueue"] * 3
+
+
+def test_fast_paths_force_a_synchronous_commit(pub: Publisher, dsn: str) -> None:
+    with psycopg.connect(dsn) as caller:
+        caller.execute("SET synchronous_commit = off")
+        with caller.transaction():
+            pub.publish("inbound", b"x", connection=caller)
+            row = caller.execute("SHOW synchronous_commit").fetchone()
+            assert row == ("on",)
+        with caller.transaction():
+            pub.publish_many(PLAIN, connection=caller)
+            row = caller.execute("SHOW synchronous_commit").fetchone()
+            assert row == ("on",)
