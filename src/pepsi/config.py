@@ -65,6 +65,7 @@ class DispatchOptions:
     tempfail_window: float = 300.0  # status 75: how long a halved cap lasts
     start_cooldown: float = 5.0  # a stage's rest after a worker died before ready
     metrics_address: tuple[str, int] | None = None  # Prometheus endpoint; off by default
+    vacuum_after: int = 20_000  # stage passes between the dispatcher's VACUUMs; 0: never
 
 
 def default_data_dir() -> Path:
@@ -353,6 +354,7 @@ DISPATCH_KEYS: Spec = {
     "TEMPFAIL_WINDOW": ("tempfail_window", _duration()),
     "START_COOLDOWN": ("start_cooldown", _duration()),
     "METRICS_ADDRESS": ("metrics_address", _listen_address),
+    "VACUUM_AFTER": ("vacuum_after", _int(0)),
 }
 POSTGRES_KEYS: Spec = {
     "DSN": ("dsn", _text),

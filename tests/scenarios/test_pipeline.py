@@ -278,3 +278,31 @@ def test_repairs_with_the_dispatcher_running(pipeline: Pipeline) -> None:
     wait_until(lambda: pipeline.remaining() == 0, what="the repaired messages to run")
     assert dispatcher.stop() == 0
     assert effects_per_message(pipeline) == {(paused, "work"): 1, (failed, "work"): 1}
+
+
+def test_the_dispatcher_vacuums_the_queue_at_the_pace_of_its_traffic(pipeline: Pipeline) -> None:
+    pipeline.configure("[stage-a]\nHANDLER = tests.stages:noop\n", VACUUM_AFTER="100")
+
+    def vacuums() -> int:
+        pipeline.db.execute("SELECT pg_stat_clear_snapshot()")
+        return int(
+            pipeline.scalar(
+                "SELECT vacuum_count FROM pg_stat_user_tables"
+                " WHERE relid = 'pepsi.workqueue'::regclass"
+            )
+        )
+
+    dispatcher = pipeline.start("-L", "debug")
+    before = vacuums()
+    pipeline.publish("a", count=450)
+    wait_until(lambda: pipeline.remaining() == 0, what="the queue to drain")
+    # 450 passes at one VACUUM per 100, one at a time in the background: three
+    # or four runs (a pass due while one runs waits for it)
+    wait_until(
+        lambda: dispatcher.log.count("vacuumed the queue tables") >= 3,
+        what="the dispatcher's vacuums",
+    )
+    # PostgreSQL counts them (a run that found autovacuum on the table skips it)
+    wait_until(lambda: vacuums() > before, what="vacuum_count to grow")
+    assert dispatcher.stop() == 0
+    assert "vacuum of the queue tables failed" not in dispatcher.log

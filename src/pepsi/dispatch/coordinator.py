@@ -33,6 +33,7 @@ from pepsi.dispatch import backpressure, fairness, pools
 from pepsi.dispatch.metrics import Gauges, MetricsServer, Snapshot
 from pepsi.dispatch.rows import RowWriter
 from pepsi.dispatch.stats import Stats
+from pepsi.dispatch.vacuum import Vacuum
 from pepsi.dispatch.workers import Exit, WorkerProcess, resolve_program
 from pepsi.errors import (
     EX_CONFIG,
@@ -129,6 +130,7 @@ class Dispatcher:
         self.next_stats = time.monotonic() + config.dispatch.stats_interval
         self.tempfail_from: str | None = None
         self.completed_total = 0
+        self.vacuum = Vacuum(dsn, config.dispatch.vacuum_after)
 
     # ---- start and stop ---------------------------------------------------
 
@@ -150,6 +152,7 @@ class Dispatcher:
             finally:
                 listener.cancel()
                 await self._shutdown()
+                await self.vacuum.close()
         finally:
             if metrics is not None:
                 metrics.close()
@@ -301,6 +304,7 @@ class Dispatcher:
             self.next_housekeeping = now + self.config.dispatch.stats_interval
         await self._isolate()
         await self._claim()
+        self.vacuum.maybe_start(self.completed_total)
         if self.stats and (
             now >= self.next_stats or (self._idle() and now - self.last_stats_flush >= 1.0)
         ):

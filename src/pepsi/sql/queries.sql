@@ -20,6 +20,11 @@ FROM pepsi.workqueue
 GROUP BY stage, status
 ORDER BY stage, status;
 
+-- name: workqueue_vacuum
+-- The dispatcher's vacuum at the pace of the traffic (dispatch/vacuum.py); a
+-- table autovacuum is already processing is skipped, not waited for.
+VACUUM (SKIP_LOCKED) pepsi.workqueue, pepsi.workqueue_body;
+
 -- name: workqueue_body_gc
 SELECT deleted, last_examined FROM pepsi.workqueue_body_gc(%(after_id)s, %(max_examined)s);
 
