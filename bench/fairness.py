@@ -27,6 +27,7 @@ from typing import Any
 import psycopg
 from common import scratch_database
 from pipeline import Run
+from psycopg.types.json import Jsonb
 
 from pepsi.db.queries import query
 from pepsi.publishing import OutgoingMessage
@@ -52,8 +53,7 @@ def claim_ms(conn: psycopg.Connection[Any], stage: str, fair: bool) -> float:
                 conn.execute(
                     query("workqueue_claim_fair"),
                     {"stages": [stage], "caps": [16], "fifo": [1], "averages": [0.01],
-                     "starts": [""], "lag_stages": [], "lag_senders": [], "lag_values": [],
-                     "max_senders": 64},
+                     "starts": [""], "lags": Jsonb({}), "max_senders": 64},
                 ).fetchall()  # fmt: skip
             else:
                 conn.execute(

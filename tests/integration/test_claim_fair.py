@@ -7,6 +7,7 @@ from typing import Any
 import psycopg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from psycopg.types.json import Jsonb
 
 from pepsi.db.queries import query
 from pepsi.dispatch.fairness import rank
@@ -41,8 +42,8 @@ def claim(
         query("workqueue_claim_fair"),
         {
             "stages": [stage], "caps": [cap], "fifo": [fifo], "averages": [average],
-            "starts": [start], "lag_stages": [stage] * len(lags), "lag_senders": list(lags),
-            "lag_values": list(lags.values()), "max_senders": max_senders,
+            "starts": [start], "lags": Jsonb({stage: lags} if lags else {}),
+            "max_senders": max_senders,
         },
     ).fetchone()  # fmt: skip
     assert row is not None
@@ -140,7 +141,7 @@ def test_cost_does_not_grow_with_a_senders_backlog(conn: Conn) -> None:
     with conn.transaction(force_rollback=True):
         row = conn.execute(
             "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT * FROM pepsi.workqueue_claim_fair("
-            "'{s}', '{16}', '{2}', '{1.0}', '{\"\"}', '{}', '{}', '{}', 64)"
+            "'{s}', '{16}', '{2}', '{1.0}', '{\"\"}', '{}', 64)"
         ).fetchone()
         assert row is not None
         claimed = conn.execute(

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from psycopg.types.json import Jsonb
+
 DEFAULT_AVERAGE = 0.01  # seconds per message before any report: a small start
 AVERAGE_WEIGHT = 0.1  # weight of the newest measurement in the running average
 
@@ -133,9 +135,7 @@ class FairShare:
         fifo: list[int] = []
         averages: list[float] = []
         starts: list[str] = []
-        lag_stages: list[str] = []
-        lag_senders: list[str] = []
-        lag_values: list[float] = []
+        lags: dict[str, dict[str, float]] = {}
         for stage, cap in caps.items():
             ledger = self.ledger(stage)
             ledger.decay(now)
@@ -143,17 +143,13 @@ class FairShare:
             fifo.append(ledger.fifo_slots(cap, self.fifo_percent))
             averages.append(ledger.average)
             starts.append(self.window.get(stage, ""))
-            for sender, lag in ledger.lags.items():
-                lag_stages.append(stage)
-                lag_senders.append(sender)
-                lag_values.append(lag)
+            if ledger.lags:
+                lags[stage] = ledger.lags
         return {
             "stages": stages,
             "caps": [caps[s] for s in stages],
             "fifo": fifo,
             "averages": averages,
             "starts": starts,
-            "lag_stages": lag_stages,
-            "lag_senders": lag_senders,
-            "lag_values": lag_values,
+            "lags": Jsonb(lags),  # {stage: {sender: seconds}}, looked up by key
         }

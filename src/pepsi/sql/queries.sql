@@ -161,8 +161,7 @@ SELECT pepsi.workqueue_bounce_failed(%(stages)s::text[], %(sink)s, %(max_rows)s)
 SELECT ids, id_stages, id_senders, next_starts
 FROM pepsi.workqueue_claim_fair(
     %(stages)s::text[], %(caps)s::integer[], %(fifo)s::integer[], %(averages)s::float8[],
-    %(starts)s::text[], %(lag_stages)s::text[], %(lag_senders)s::text[],
-    %(lag_values)s::float8[], %(max_senders)s);
+    %(starts)s::text[], %(lags)s::jsonb, %(max_senders)s);
 
 -- name: queue_status_counts
 SELECT stage, status::text, count(*) FROM pepsi.workqueue GROUP BY 1, 2 ORDER BY 1, 2;

@@ -1,21 +1,27 @@
 -- 0006: the fair claim bounds each sender's read from the lags in closed form
 -- (it enumerated caps × senders virtual scores: 16 384 rows, most of a claim
 -- of 256, at 64 senders) (P-5); when every pending row of a stage fits in the
--- claim, it takes them all without ranking (the idle pipeline's claim).
+-- claim, it takes them all without ranking (the idle pipeline's claim); the
+-- lags come as one JSON object looked up by sender rather than as three
+-- arrays joined in full twice per stage (2 000 senders: 13.6 -> 4 ms a claim).
+
+DROP FUNCTION pepsi.workqueue_claim_fair(text[], integer[], integer[], double precision[],
+                                         text[], text[], text[], double precision[], integer);
+
 
 -- P-4 + P-5: one call claims, for every stage, up to its capacity: first
 -- fifo[i] of its oldest rows whatever the sender, then, among the oldest
 -- caps[i] rows of each of at most max_senders pending senders (a window that
 -- starts after starts[i] and wraps around), the rows ranked lowest by
 -- lag + k × average (k-th oldest row of its sender; ties: oldest first).
--- Lags come as three parallel arrays (stage, sender, seconds); a sender
--- without one ranks from 0. Returns the claimed ids with their stage and
+-- Lags come as one JSON object, {stage: {sender: seconds}} (a sender looked
+-- up by key, however many the dispatcher knows); a sender without one ranks
+-- from 0. Returns the claimed ids with their stage and
 -- sender, and where each stage's sender window starts next time ('' when
 -- the window covered every sender).
-CREATE OR REPLACE FUNCTION pepsi.workqueue_claim_fair(
+CREATE FUNCTION pepsi.workqueue_claim_fair(
     stages text[], caps integer[], fifo integer[], averages double precision[],
-    starts text[], lag_stages text[], lag_senders text[], lag_values double precision[],
-    max_senders integer DEFAULT 64,
+    starts text[], lags jsonb, max_senders integer DEFAULT 64,
     OUT ids bigint[], OUT id_stages text[], OUT id_senders text[], OUT next_starts text[]
 )
 LANGUAGE plpgsql
@@ -32,6 +38,7 @@ DECLARE
     limits bigint[];
     chosen bigint[];
     attempt integer;
+    stage_lags jsonb;
 BEGIN
     next_starts := '{}';
     FOR i IN 1 .. coalesce(array_length(stages, 1), 0) LOOP
@@ -46,6 +53,7 @@ BEGIN
             next_starts := next_starts || starts[i];
             CONTINUE;
         END IF;
+        stage_lags := coalesce(lags -> stages[i], '{}');
         senders := ARRAY(SELECT p.sender_key
                          FROM pepsi.workqueue_pending_senders(stages[i], starts[i], NULL,
                                                               max_senders) p);
@@ -71,16 +79,14 @@ BEGIN
         -- ranking's.
         limits := ARRAY(
             WITH lagged AS (
-                SELECT s.n, coalesce(l.seconds, 0) AS lag
+                SELECT s.n, coalesce((stage_lags ->> s.sender_key)::float8, 0) AS lag
                 FROM unnest(senders) WITH ORDINALITY AS s(sender_key, n)
-                LEFT JOIN unnest(lag_stages, lag_senders, lag_values) AS l(stage, sender, seconds)
-                       ON l.stage = stages[i] AND l.sender = s.sender_key
             ), filled AS (
-                SELECT row_number() OVER w AS m, sum(g.lag) OVER w AS lags
+                SELECT row_number() OVER w AS m, sum(g.lag) OVER w AS lag_sum
                 FROM lagged g
                 WINDOW w AS (ORDER BY g.lag ROWS UNBOUNDED PRECEDING)
             ), level AS (
-                SELECT min((caps[i] * greatest(averages[i], 1e-9) + f.lags) / f.m)
+                SELECT min((caps[i] * greatest(averages[i], 1e-9) + f.lag_sum) / f.m)
                        + greatest(averages[i], 1e-9) AS t
                 FROM filled f
             )
@@ -95,12 +101,10 @@ BEGIN
                     WHERE q.stage = stages[i] AND q.status = 'pending'
                     ORDER BY q.stage, q.workqueue_id
                     LIMIT least(fifo[i], caps[i])
-                ), lag AS (
-                    SELECT l.sender, l.seconds
-                    FROM unnest(lag_stages, lag_senders, lag_values) AS l(stage, sender, seconds)
-                    WHERE l.stage = stages[i]
                 ), candidate AS (
-                    SELECT c.workqueue_id, coalesce(lag.seconds, 0) + c.k * averages[i] AS score
+                    SELECT c.workqueue_id,
+                           coalesce((stage_lags ->> s.sender_key)::float8, 0) + c.k * averages[i]
+                               AS score
                     FROM unnest(senders) WITH ORDINALITY AS s(sender_key, n)
                     CROSS JOIN LATERAL (
                         SELECT o.workqueue_id, row_number() OVER (ORDER BY o.workqueue_id) AS k
@@ -110,7 +114,6 @@ BEGIN
                               ORDER BY q.stage, q.sender_key, q.workqueue_id
                               LIMIT CASE WHEN attempt = 1 THEN limits[s.n] ELSE caps[i] END) o
                     ) c
-                    LEFT JOIN lag ON lag.sender = s.sender_key
                 )
                 SELECT o.workqueue_id FROM oldest o
                 UNION ALL
