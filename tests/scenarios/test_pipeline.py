@@ -306,3 +306,17 @@ def test_the_dispatcher_vacuums_the_queue_at_the_pace_of_its_traffic(pipeline: P
     wait_until(lambda: vacuums() > before, what="vacuum_count to grow")
     assert dispatcher.stop() == 0
     assert "vacuum of the queue tables failed" not in dispatcher.log
+
+
+def test_a_slow_stage_spreads_over_its_pool_with_the_default_queue_limit(
+    pipeline: Pipeline,
+) -> None:
+    """QUEUE_LIMIT is 64, but a stage taking 200 ms a message gets a window of one."""
+    pipeline.configure("[stage-slow]\nHANDLER = tests.stages:faulty_serial\n")
+    ids = pipeline.publish("slow", count=24, properties={"fault": "slow", "sleep": 0.2})
+    dispatcher = pipeline.start()
+    wait_until(lambda: pipeline.remaining() == 0, timeout=60, what="the queue to drain")
+    assert dispatcher.stop() == 0
+    assert set(pipeline.effects()) == {(i, "slow") for i in ids}
+    pids = pipeline.scalar("SELECT count(DISTINCT pid) FROM test_effects")
+    assert pids >= 3  # the default PARALLELISM of 4 is used, not one worker's queue

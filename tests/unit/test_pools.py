@@ -87,14 +87,21 @@ def test_window_starts_small_and_follows_the_pace() -> None:
     assert medium.window(64) == 10
 
 
-def test_pace_of_a_batch_answered_at_once_averages_to_its_messages() -> None:
+def test_a_slowdown_shows_at_once_a_speedup_gradually() -> None:
     pace = Pace()
-    for _ in range(400):  # batches of 4 answered together after 40 ms
-        for sample in (0.04, 0.0, 0.0, 0.0):
-            pace.observe(sample)
-    assert pace.seconds is not None
-    assert 0.004 < pace.seconds < 0.02  # about 10 ms a message
-    assert 3 <= pace.window(64) <= 10
+    for _ in range(100):
+        pace.observe(0.0001)
+    assert pace.window(64) == 64
+    for _ in range(3):  # it now takes 100 ms a message
+        pace.observe(0.1)
+    assert pace.window(64) == 1
+    windows = []
+    for _ in range(60):  # fast again
+        pace.observe(0.0001)
+        windows.append(pace.window(64))
+    assert windows == sorted(windows)
+    assert windows[0] < 4
+    assert windows[-1] == 64
 
 
 def test_worker_limit_cap() -> None:

@@ -524,6 +524,7 @@ class Dispatcher:
             env,
             on_ready=self._on_ready,
             on_status=self._on_status,
+            on_answers=self._on_answers,
             on_exit=self._on_exit,
         )
         try:
@@ -561,7 +562,6 @@ class Dispatcher:
 
     def _on_status(self, worker: WorkerProcess, wid: int, status: StatusLine) -> None:
         self.completed_total += 1
-        self.pools[worker.stage].pace.observe(worker.answer_time)
         if status.report_error:
             log.warning(
                 "stage %s: worker pid %s: %s", worker.stage, worker.pid, status.report_error
@@ -580,6 +580,10 @@ class Dispatcher:
         elif not status.ok:
             log.info("stage %s: message %d ended with status %d", worker.stage, wid, status.status)
         self._wake("worker")
+
+    def _on_answers(self, worker: WorkerProcess, seconds_each: float) -> None:
+        """A read of its answers: the stage's pace, which sizes its window (P-6)."""
+        self.pools[worker.stage].pace.observe(seconds_each)
 
     def _count_status(self, stage: str, status: StatusLine) -> None:
         """P-9: a worker pass; fused stages count one by one from its report."""

@@ -21,25 +21,31 @@ from dataclasses import dataclass, field
 
 PREFETCH_SECONDS = 0.05  # a worker's queue holds about this much work at most
 INITIAL_WINDOW = 4  # ids per worker until the stage's pace is known
-PACE_WEIGHT = 0.05  # weight of the newest answer in the running average
+PACE_UP = 0.5  # weight of an answer slower than the pace: a slowdown shows at once
+PACE_DOWN = 0.1  # weight of a faster one: the window grows back gradually
 
 
 @dataclass
 class Pace:
     """A stage's seconds per message, from how long its workers take to answer.
 
-    A sample is the time from a message reaching the head of its worker's
-    queue to its status line; a batch answered at once gives its whole time
-    to the first line and none to the others, which averages out right.
+    A sample is what one read of a worker's answers covers: the time from the
+    first of them reaching the head of the worker's queue to their arrival,
+    divided by their number. A batch answered at once is one sample of its
+    time per message, whatever its size. The average follows a slowdown at
+    once (a too-large window queues slow messages behind one worker) and a
+    speed-up gradually (a too-small one only costs more claims).
     """
 
     seconds: float | None = None
 
     def observe(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
         if self.seconds is None:
             self.seconds = seconds
         else:
-            self.seconds += PACE_WEIGHT * (seconds - self.seconds)
+            weight = PACE_UP if seconds > self.seconds else PACE_DOWN
+            self.seconds += weight * (seconds - self.seconds)
 
     def window(self, queue_limit: int) -> int:
         """Ids a worker may hold: PREFETCH_SECONDS of work, 1 … QUEUE_LIMIT."""
@@ -47,7 +53,8 @@ class Pace:
             return min(queue_limit, INITIAL_WINDOW)
         if self.seconds * queue_limit <= PREFETCH_SECONDS:
             return queue_limit
-        return max(1, min(queue_limit, math.ceil(PREFETCH_SECONDS / self.seconds)))
+        # (a hair under the exact quotient, so that 0.05 / 0.01 is 5, not 6)
+        return max(1, min(queue_limit, math.ceil(PREFETCH_SECONDS / self.seconds - 1e-9)))
 
 
 @dataclass(frozen=True)

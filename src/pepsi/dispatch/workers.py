@@ -54,6 +54,7 @@ class WorkerProcess:
         *,
         on_ready: Callable[[WorkerProcess], None],
         on_status: Callable[[WorkerProcess, int, StatusLine], None],
+        on_answers: Callable[[WorkerProcess, float], None],
         on_exit: Callable[[WorkerProcess, Exit], None],
     ) -> None:
         self.key = key
@@ -71,9 +72,11 @@ class WorkerProcess:
         self.started_at = time.monotonic()
         self.idle_since: float | None = self.started_at
         self.head_since: float | None = None  # when the head id reached the head
-        self.answer_time = 0.0  # seconds its last answer took from reaching the head
+        self._answer_seconds = 0.0  # of the answers in the chunk being read
+        self._answers = 0
         self._on_ready = on_ready
         self._on_status = on_status
+        self._on_answers = on_answers
         self._on_exit = on_exit
         self._proc: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task[None] | None = None
@@ -181,6 +184,9 @@ class WorkerProcess:
                     raise ProtocolError("status line too long")
                 for line in lines:
                     self._line(line)
+                if self._answers:  # the pace of what this read answered
+                    self._on_answers(self, self._answer_seconds / self._answers)
+                    self._answer_seconds, self._answers = 0.0, 0
             if pending:
                 self._line(pending)  # a last line without its newline
         except ProtocolError as exc:
@@ -211,7 +217,9 @@ class WorkerProcess:
         wid = self.inflight.popleft()
         self.handled += 1
         now = time.monotonic()
-        self.answer_time = now - self.head_since if self.head_since is not None else 0.0
+        if self.head_since is not None:
+            self._answer_seconds += now - self.head_since
+        self._answers += 1
         self.head_since = now if self.inflight else None
         if not self.inflight:
             self.idle_since = now
