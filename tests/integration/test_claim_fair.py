@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg.types.json import Jsonb
@@ -131,13 +132,15 @@ def test_oldest_row_is_never_starved_by_new_senders(conn: Conn) -> None:
     assert 1 <= rounds <= 3
 
 
-def test_cost_does_not_grow_with_a_senders_backlog(conn: Conn) -> None:
+@pytest.mark.parametrize("plans", ["auto", "force_generic_plan"])  # the dispatcher's: generic
+def test_cost_does_not_grow_with_a_senders_backlog(conn: Conn, plans: str) -> None:
     conn.execute(
         "INSERT INTO pepsi.workqueue (stage, origin_user)"
         " SELECT 's', CASE WHEN n % 1000 = 0 THEN 'small' || n ELSE 'huge' END"
         " FROM generate_series(1, 200000) n"
     )
     conn.execute("ANALYZE pepsi.workqueue")
+    conn.execute(f"SET plan_cache_mode = {plans}")
     with conn.transaction(force_rollback=True):
         row = conn.execute(
             "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT * FROM pepsi.workqueue_claim_fair("

@@ -95,9 +95,12 @@ BEGIN
 END
 $$;
 
+-- Only rows with a body fire it: a finished metadata-only message's delete
+-- calls no function at all.
 CREATE TRIGGER workqueue_body_release
     AFTER DELETE OR UPDATE OF body_id ON pepsi.workqueue
-    FOR EACH ROW EXECUTE FUNCTION pepsi.workqueue_body_release();
+    FOR EACH ROW WHEN (OLD.body_id IS NOT NULL)
+    EXECUTE FUNCTION pepsi.workqueue_body_release();
 
 -- Sweep orphaned bodies: examines at most max_examined bodies after
 -- after_id (the caller keeps the cursor, so each call costs the same however
