@@ -95,3 +95,13 @@ def test_status_round_trips(status: int, report: list[Pass] | None) -> None:
     line = parse_status(format_status(status, report))
     assert line.status == status
     assert line.report == (None if report is None else tuple(report))
+
+
+def test_the_workers_json_loader_skips_the_empty_object() -> None:
+    from pepsi.worker.runtime import _loads_json  # noqa: PLC0415
+
+    first, second = _loads_json(b"{}"), _loads_json("{}")
+    assert first == second == {}
+    first["x"] = 1
+    assert second == {}  # never a shared object
+    assert _loads_json(b'{"strikes": 2}') == {"strikes": 2}

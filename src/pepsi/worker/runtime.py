@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
-from psycopg.types.json import Jsonb
+from psycopg.types.json import Jsonb, set_json_loads
 
 from pepsi import policy
 from pepsi.config import Config, StageConfig
@@ -378,6 +378,7 @@ def run(config: Config, stage_name: str, dsn: str) -> int:
 
     def open_connection() -> Conn:
         conn = connect_worker(dsn, stage_name)
+        set_json_loads(_loads_json, conn)
         conn.execute(query("session_generic_plans"))
         if not config.postgres.worker_synchronous_commit:
             conn.execute(query("worker_asynchronous_commit"))
@@ -397,6 +398,13 @@ def run(config: Config, stage_name: str, dsn: str) -> int:
                 return 0
             out.write(runner.run_batch(ids))
             out.flush()
+
+
+def _loads_json(data: bytes | str) -> Any:
+    """psycopg's json loader, without decoding the usual empty state and properties."""
+    if data in (b"{}", "{}"):
+        return {}  # a new dict each time: a stage may fill it
+    return json.loads(data)
 
 
 def connect_worker(dsn: str, stage_name: str) -> Conn:
