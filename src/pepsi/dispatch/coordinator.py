@@ -219,7 +219,6 @@ class Dispatcher:
         while True:
             row = await (await conn.execute(query("dispatcher_lock_try"))).fetchone()
             if row and row[0]:
-                await conn.execute(query("session_generic_plans"))
                 return conn
             if not announced and initial:
                 log.warning("another dispatcher holds the lock; waiting up to %ds", LOCK_WAIT)

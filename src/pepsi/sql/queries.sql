@@ -300,13 +300,6 @@ LISTEN workqueue;
 -- W-2: a lost advance only repeats a stage, so workers commit without waiting.
 SET synchronous_commit = off;
 
--- name: session_generic_plans
--- The dispatcher's and workers' statements take their keys as parameters,
--- so a custom plan is the generic one planned again, every time: 0.1-0.15 ms
--- of each claim, load and outcome write (half of an idle claim's time). The
--- plans are held to the partial indexes by tests/integration/test_claim_plan.py.
-SET plan_cache_mode = force_generic_plan;
-
 -- name: server_version
 SHOW server_version;
 

@@ -379,7 +379,6 @@ def run(config: Config, stage_name: str, dsn: str) -> int:
     def open_connection() -> Conn:
         conn = connect_worker(dsn, stage_name)
         set_json_loads(_loads_json, conn)
-        conn.execute(query("session_generic_plans"))
         if not config.postgres.worker_synchronous_commit:
             conn.execute(query("worker_asynchronous_commit"))
         return conn
