@@ -15,6 +15,7 @@ CREATE TABLE pepsi.workqueue_body (
     body    bytea,
     created timestamptz NOT NULL DEFAULT now()
 );
+ALTER TABLE pepsi.workqueue_body SET (vacuum_truncate = false);  -- as pepsi.workqueue
 
 -- D-1: one row per message per position in the pipeline.
 CREATE TABLE pepsi.workqueue (
@@ -63,7 +64,12 @@ ALTER TABLE pepsi.workqueue SET (
     autovacuum_vacuum_threshold = 1000,
     autovacuum_vacuum_insert_scale_factor = 0.05,
     autovacuum_vacuum_cost_delay = 0,
-    autovacuum_analyze_scale_factor = 0.02
+    autovacuum_analyze_scale_factor = 0.02,
+    -- A vacuum that finds the end of a drained queue empty would truncate it:
+    -- it takes an exclusive lock (retried for up to 5 s) and leaves the
+    -- planner a table of no pages, and the next burst's fair claims took
+    -- 50-190 ms each (1 k msg/s instead of 13 k). The pages are reused instead.
+    vacuum_truncate = false
 );
 
 -- D-4: the claim's paths, and the paused sweep's.
