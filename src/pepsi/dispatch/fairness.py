@@ -26,6 +26,7 @@ from psycopg.types.json import Jsonb
 
 DEFAULT_AVERAGE = 0.01  # seconds per message before any report: a small start
 AVERAGE_WEIGHT = 0.1  # weight of the newest measurement in the running average
+DECAY_STEP = 0.1  # seconds: lags are decayed and levelled at most this often
 
 
 def rank(
@@ -65,9 +66,16 @@ class StageLedger:
     fifo_credit: float = 0.0
 
     def decay(self, now: float) -> None:
-        """Halve lags every half-life; forget those under one message; level the least."""
+        """Halve lags every half-life; forget those under one message; level the least.
+
+        At most every DECAY_STEP: a claim every few milliseconds would rebuild
+        thousands of senders' lags for factors of 0.9999. In between, debits
+        only add up, which shifts no sender's rank against another's.
+        """
         elapsed = now - self.decayed_at
-        if elapsed > 0 and self.lags:
+        if elapsed < DECAY_STEP:
+            return
+        if self.lags:
             factor = 0.5 ** (elapsed / self.half_life)
             self.lags = {s: lag * factor for s, lag in self.lags.items()}
         self.decayed_at = now
