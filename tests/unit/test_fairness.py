@@ -108,3 +108,16 @@ def test_claim_params_are_arrays_per_stage() -> None:
     # levelled on y, which is forgotten; stage t has no lags at all
     assert params["lags"].obj == {"s": {"x": pytest.approx(2.0, rel=0.02)}}
     assert params["starts"] == ["", ""]
+
+
+def test_with_many_senders_a_claim_gets_the_lags_after_its_window_start() -> None:
+    ledger = StageLedger(half_life=60.0)
+    ledger.lags = {f"s{i:04d}": float(i) for i in range(1000)}
+    assert ledger.lags_after("", count=2000) is ledger.lags  # few enough: all of them
+    sent = ledger.lags_after("s0500", count=100)
+    assert sorted(sent) == [f"s{i:04d}" for i in range(501, 601)]
+    assert sent["s0550"] == 550.0
+    wrapped = ledger.lags_after("s0950", count=100)  # wraps around to the first
+    assert set(wrapped) == {f"s{i:04d}" for i in [*range(951, 1000), *range(51)]}
+    ledger.claim(1, "s0500x")  # a new sender: the order is rebuilt
+    assert "s0500x" in ledger.lags_after("s0500", count=100)

@@ -17,6 +17,7 @@ the same choice in SQL, and the tests hold the two to each other.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from psycopg.types.json import Jsonb
 DEFAULT_AVERAGE = 0.01  # seconds per message before any report: a small start
 AVERAGE_WEIGHT = 0.1  # weight of the newest measurement in the running average
 DECAY_STEP = 0.1  # seconds: lags are decayed and levelled at most this often
+LAGS_SENT = 256  # lags sent with a claim: those of the senders after the window's start
 
 
 def rank(
@@ -64,6 +66,8 @@ class StageLedger:
     debits: dict[int, tuple[str, float]] = field(default_factory=dict)
     decayed_at: float = 0.0
     fifo_credit: float = 0.0
+    _sorted: list[str] = field(default_factory=list, repr=False)  # lags' keys, in order
+    _sorted_for: dict[str, float] | None = field(default=None, repr=False)
 
     def decay(self, now: float) -> None:
         """Halve lags every half-life; forget those under one message; level the least.
@@ -114,6 +118,25 @@ class StageLedger:
         sender, charged = debit
         self.lags[sender] = self.lags.get(sender, 0.0) + seconds - charged
 
+    def lags_after(self, start: str, count: int = LAGS_SENT) -> dict[str, float]:
+        """The lags of the `count` senders that sort after `start` (wrapping around).
+
+        The claim looks at most 64 pending senders from there on; with
+        thousands of senders in the ledger, sending every lag with every claim
+        was a quarter of the dispatcher's time. A pending sender further on
+        than `count` lagged senders would rank as level with the least served
+        for that claim.
+        """
+        if len(self.lags) <= count:
+            return self.lags
+        if self._sorted_for is not self.lags or len(self._sorted) != len(self.lags):
+            self._sorted, self._sorted_for = sorted(self.lags), self.lags
+        keys = self._sorted
+        first = bisect.bisect_right(keys, start)
+        chosen = keys[first : first + count]
+        chosen += keys[: count - len(chosen)]
+        return {key: self.lags[key] for key in chosen}
+
     def fifo_slots(self, cap: int, percent: int) -> int:
         """Slots of this claim reserved for the oldest rows; fractions carry over."""
         self.fifo_credit += cap * percent / 100
@@ -150,9 +173,10 @@ class FairShare:
             stages.append(stage)
             fifo.append(ledger.fifo_slots(cap, self.fifo_percent))
             averages.append(ledger.average)
-            starts.append(self.window.get(stage, ""))
+            start = self.window.get(stage, "")
+            starts.append(start)
             if ledger.lags:
-                lags[stage] = ledger.lags
+                lags[stage] = ledger.lags_after(start)
         return {
             "stages": stages,
             "caps": [caps[s] for s in stages],
