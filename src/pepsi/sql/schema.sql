@@ -627,9 +627,15 @@ CREATE FUNCTION pepsi.workqueue_claim_fair(
 )
 LANGUAGE plpgsql
 -- Each sender's oldest rows must come from the sender index, one short
--- probe per sender; on a small or freshly drained table the planner would
--- rather scan the heap once per sender (64 scans per claim).
+-- ordered probe per sender. On a small or freshly drained table the planner
+-- would rather scan the heap once per sender (64 scans per claim); with
+-- statistics from a moment the queue was empty it took a bitmap of every
+-- pending row of the stage and sorted it, per sender: 50-600 ms a claim
+-- under a burst (bench/race.py, fairness). No sequential scan, no bitmap
+-- scan, and sorts only where no index gives the order.
 SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_sort = off
 AS $$
 DECLARE
     i integer;
