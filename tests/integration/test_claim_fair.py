@@ -50,6 +50,16 @@ def claim(
     return [int(i) for i in row[0]], str(row[3][0])
 
 
+def pages_touched(conn: Conn, claim_sql: bytes | str, params: dict[str, Any] | None = None) -> int:
+    """Pages one claim reads or hits (EXPLAIN ANALYZE: it runs for real)."""
+    prefix = b"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
+    sql = claim_sql if isinstance(claim_sql, bytes) else claim_sql.encode()
+    row = conn.execute(prefix + sql, params).fetchone()
+    assert row is not None
+    plan = row[0][0]["Plan"]
+    return int(plan["Shared Hit Blocks"] + plan["Shared Read Blocks"])
+
+
 @st.composite
 def cases(draw: st.DrawFn) -> tuple[list[str], dict[str, float], float, int, int]:
     senders = draw(st.lists(st.sampled_from("abcdefghij"), min_size=1, max_size=10, unique=True))
@@ -139,45 +149,17 @@ def test_cost_does_not_grow_with_a_senders_backlog(conn: Conn) -> None:
     )
     conn.execute("ANALYZE pepsi.workqueue")
     with conn.transaction(force_rollback=True):
-        row = conn.execute(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT * FROM pepsi.workqueue_claim_fair("
-            "'{s}', '{16}', '{2}', '{1.0}', '{\"\"}', '{}', 64)"
-        ).fetchone()
-        assert row is not None
+        touched = pages_touched(
+            conn,
+            "SELECT * FROM pepsi.workqueue_claim_fair('{s}', '{16}', '{2}', '{1.0}', '{\"\"}', '{}', 64)",
+        )
         claimed = conn.execute(
             "SELECT count(*) FROM pepsi.workqueue WHERE status = 'running'"
         ).fetchone()
-    plan = row[0][0]
-    touched = plan["Plan"]["Shared Hit Blocks"] + plan["Plan"]["Shared Read Blocks"]
     assert claimed == (16,)
     # 201 senders are enumerated (one probe each) and 16 rows claimed: a few
     # thousand pages at most, against ~4 000 pages for the table itself.
     assert 0 < touched < 3000, touched
-
-
-def test_plans_made_on_a_small_table_stay_cheap_when_it_grows(conn: Conn) -> None:
-    """The claim's cached plans were made while the table was small (a warm-up).
-
-    Generic plans (plan_cache_mode = force_generic_plan) froze such plans: a
-    benchmark rep then spent a core for 19 s in the claim. Custom plans are
-    re-planned for the table's current size.
-    """
-    insert(conn, "s", [f"u{i % 100}" for i in range(200)])
-    for _ in range(8):  # the session caches the function's plans on a small table
-        claim(conn, "s", 16, fifo=1)
-    conn.execute(
-        "INSERT INTO pepsi.workqueue (stage, origin_user)"
-        " SELECT 's', 'u' || (n % 100) FROM generate_series(1, 100000) n"
-    )
-    with conn.transaction(force_rollback=True):
-        row = conn.execute(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT * FROM pepsi.workqueue_claim_fair("
-            "'{s}', '{128}', '{12}', '{0.001}', '{\"\"}', '{}', 64)"
-        ).fetchone()
-    assert row is not None
-    plan = row[0][0]
-    touched = plan["Plan"]["Shared Hit Blocks"] + plan["Plan"]["Shared Read Blocks"]
-    assert touched < 3000, touched  # the table alone is ~2 000 pages
 
 
 def test_claim_stays_on_the_sender_index_with_statistics_of_an_empty_queue(conn: Conn) -> None:
@@ -200,12 +182,10 @@ def test_claim_stays_on_the_sender_index_with_statistics_of_an_empty_queue(conn:
     )
     lags = {f"user:u{i}": 0.001 * (i % 7) for i in range(0, 2000, 3)}
     with psycopg.connect(conn.info.dsn, autocommit=True) as fresh:  # plans made now
-        row = fresh.execute(
-            b"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query("workqueue_claim_fair").as_bytes(),
+        touched = pages_touched(
+            fresh,
+            query("workqueue_claim_fair").as_bytes(),
             {"stages": ["s"], "caps": [128], "fifo": [12], "averages": [0.0001],
              "starts": ["user:u150"], "lags": Jsonb({"s": lags}), "max_senders": 64},
-        ).fetchone()  # fmt: skip
-    assert row is not None
-    plan = row[0][0]
-    touched = plan["Plan"]["Shared Hit Blocks"] + plan["Plan"]["Shared Read Blocks"]
+        )  # fmt: skip
     assert touched < 8000, touched  # the bitmap plans read ~24 000 pages for this claim
