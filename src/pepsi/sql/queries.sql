@@ -64,27 +64,8 @@ WHERE w.workqueue_id = r.workqueue_id AND w.status = 'running' AND w.stage = %(s
 
 -- name: workqueue_claim_fifo
 -- P-4: one statement claims, for every stage with free capacity, up to that
--- stage's capacity of its oldest pending rows. Each lateral orders by
--- (stage, workqueue_id) under an equality on stage, which is exactly the
--- partial index, so the planner walks it and stops at the cap instead of
--- scanning the primary key with a filter on a skewed backlog. The picked ids
--- are folded into an array so the update finds its rows by primary key
--- rather than joining the whole table.
-UPDATE pepsi.workqueue w
-SET status = 'running'
-WHERE w.workqueue_id = ANY (ARRAY(
-        SELECT c.workqueue_id
-        FROM unnest(%(stages)s::text[], %(caps)s::integer[]) AS s(stage, cap)
-        CROSS JOIN LATERAL (
-            SELECT q.workqueue_id
-            FROM pepsi.workqueue q
-            WHERE q.stage = s.stage AND q.status = 'pending'
-            ORDER BY q.stage, q.workqueue_id
-            LIMIT s.cap
-        ) c
-      ))
-  AND w.status = 'pending'
-RETURNING w.workqueue_id, w.stage;
+-- stage's capacity of its oldest pending rows (see pepsi.workqueue_claim_fifo).
+SELECT workqueue_id, stage FROM pepsi.workqueue_claim_fifo(%(stages)s::text[], %(caps)s::integer[]);
 
 -- name: workqueue_requeue_running
 -- Give claimed rows back (never ran, or their worker died): only rows still
