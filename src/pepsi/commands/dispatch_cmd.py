@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "database (a second one waits ~10s for the lock, then exits 1). Exit 0 on a "
         "clean stop, 1 on an error, 78 if the database schema is not this build's. "
         "With [pepsi-dispatch] METRICS_ADDRESS set it also serves Prometheus metrics "
-        "at http://ADDRESS/metrics (docs/operations.md).",
+        "at http://ADDRESS/metrics (docs/operations.md). Every VACUUM_AFTER (20000) "
+        "stage passes it vacuums the queue tables in the background (docs/dispatcher.md).",
     )
     serve.set_defaults(handler=run_serve)
 
