@@ -24,6 +24,7 @@ from rich.table import Table
 
 from pepsi.config import Config, load_config
 from pepsi.db import connect, schema
+from pepsi.errors import PepsiError
 from pepsi.publishing import OutgoingMessage, Publisher
 
 HERE = Path(__file__).resolve().parent
@@ -141,7 +142,11 @@ def main() -> int:
     parser.add_argument("--burst", type=int, default=250, help="orders per transaction")
     args = parser.parse_args()
     console = Console()
-    config, dsn, db = prepare(console)
+    try:
+        config, dsn, db = prepare(console)
+    except PepsiError as exc:  # no database, or a schema of another build: one line
+        console.print(f"[red]{exc}[/]")
+        return exc.exit_code
     log = HERE / "dispatch.log"
     with log.open("wb") as log_file:
         dispatcher = subprocess.Popen(
