@@ -106,7 +106,7 @@ def test_claim_params_are_arrays_per_stage() -> None:
     assert params["caps"] == [4, 2]
     assert params["fifo"] == [2, 1]
     # levelled on y, which is forgotten; stage t has no lags at all
-    assert params["lags"].obj == {"s": {"x": pytest.approx(2.0, rel=0.02)}}
+    assert params["lags"] == {"s": {"x": pytest.approx(2.0, rel=0.02)}}
     assert params["starts"] == ["", ""]
 
 

@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
+from psycopg.types.json import Jsonb
 
 from pepsi.config import Config, StageConfig
 from pepsi.db import schema
@@ -468,7 +469,10 @@ class Dispatcher:
         assert self.fair is not None
         params = self.fair.claim_params(caps)
         row = await (
-            await self.conn.execute(query("workqueue_claim_fair"), {**params, "max_senders": 64})
+            await self.conn.execute(
+                query("workqueue_claim_fair"),
+                {**params, "lags": Jsonb(params["lags"]), "max_senders": 64},
+            )
         ).fetchone()
         assert row is not None
         ids, stages, senders, starts = row

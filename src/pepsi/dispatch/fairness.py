@@ -23,8 +23,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from psycopg.types.json import Jsonb
-
 DEFAULT_AVERAGE = 0.01  # seconds per message before any report: a small start
 AVERAGE_WEIGHT = 0.1  # weight of the newest measurement in the running average
 DECAY_STEP = 0.1  # seconds: lags are decayed and levelled at most this often
@@ -183,5 +181,5 @@ class FairShare:
             "fifo": fifo,
             "averages": averages,
             "starts": starts,
-            "lags": Jsonb(lags),  # {stage: {sender: seconds}}, looked up by key
+            "lags": lags,  # {stage: {sender: seconds}}: sent as one JSON object
         }

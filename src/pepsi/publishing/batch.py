@@ -84,7 +84,8 @@ def build(messages: Sequence[OutgoingMessage], config: Config, *, fast: bool = T
         return BatchCall(ONE_SQL, (one.stage, one.header, one.body), tuple(positions))
     columns = [list(column) for column in zip(*rows, strict=True)]
     if plain and not limited:
-        params: tuple[Any, ...] = (columns[0], columns[13], columns[14])
+        named = dict(zip(Row._fields, columns, strict=True))
+        params: tuple[Any, ...] = (named["stage"], named["header"], named["body"])
         return BatchCall(PLAIN_SQL, params, tuple(positions))
     limits = [stages[name] for name in limited]
     params = (
@@ -100,7 +101,7 @@ def build(messages: Sequence[OutgoingMessage], config: Config, *, fast: bool = T
 
 def ids_from(call: BatchCall, answer: Sequence[tuple[Any, ...]]) -> list[int]:
     """The id of each message given to `build`, in order."""
-    if call.sql is not SQL:  # one id per message, in order
+    if call.sql != SQL:  # the fast paths: one id per message, in order
         return [int(row[0]) for row in answer]
     by_ord = {int(row[0]): int(row[1]) for row in answer}
     return [by_ord[position] for position in call.positions]
