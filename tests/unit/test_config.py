@@ -289,3 +289,42 @@ def test_metrics_address_errors(tmp_path: Path, value: str) -> None:
 
 def test_metrics_are_off_by_default(tmp_path: Path) -> None:
     assert load(tmp_path, "").dispatch.metrics_address is None
+
+
+def test_dispatcher_timings(tmp_path: Path) -> None:
+    defaults = load(tmp_path, "").dispatch
+    assert (
+        defaults.lock_wait,
+        defaults.worker_ready_timeout,
+        defaults.worker_stop_timeout,
+        defaults.worker_kill_grace,
+        defaults.reconnect_max_delay,
+    ) == (10, 60, 10, 2, 30)
+    config = load(
+        tmp_path,
+        "[pepsi-dispatch]\nLOCK_WAIT = 500ms\nWORKER_READY_TIMEOUT = 2m\n"
+        "WORKER_STOP_TIMEOUT = 3s\nWORKER_KILL_GRACE = 0.25\nRECONNECT_MAX_DELAY = 1m\n",
+    ).dispatch
+    assert (
+        config.lock_wait,
+        config.worker_ready_timeout,
+        config.worker_stop_timeout,
+        config.worker_kill_grace,
+        config.reconnect_max_delay,
+    ) == (0.5, 120, 3, 0.25, 60)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("LOCK_WAIT", "soon", "duration"),
+        ("WORKER_READY_TIMEOUT", "-1s", "duration"),
+        ("WORKER_STOP_TIMEOUT", "0s", "at least"),
+        ("WORKER_KILL_GRACE", "0", "at least"),
+        ("RECONNECT_MAX_DELAY", "500ms", "at least"),
+    ],
+)
+def test_dispatcher_timing_errors(tmp_path: Path, key: str, value: str, problem: str) -> None:
+    message = error(tmp_path, f"[pepsi-dispatch]\n{key} = {value}\n")
+    assert f"[pepsi-dispatch] {key}:" in message
+    assert problem in message

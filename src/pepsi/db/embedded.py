@@ -93,15 +93,16 @@ class EmbeddedServer:
 
     def _ensure_database(self, admin_uri: str) -> None:
         import psycopg  # noqa: PLC0415
+        from psycopg import sql  # noqa: PLC0415
+
+        from pepsi.db.queries import query  # noqa: PLC0415  # imports psycopg
 
         with psycopg.connect(admin_uri, autocommit=True) as conn:
-            exists = conn.execute(
-                "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)
-            ).fetchone()
+            exists = conn.execute(query("database_exists"), {"name": DATABASE}).fetchone()
             if not exists:
                 # another process may create it first
                 with contextlib.suppress(psycopg.errors.DuplicateDatabase):
-                    conn.execute(f"CREATE DATABASE {DATABASE}")
+                    conn.execute(query("database_create").format(name=sql.Identifier(DATABASE)))
 
     def uri(self) -> str | None:
         """The URI of the running server's `pepsi` database, or None if stopped."""

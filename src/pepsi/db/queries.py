@@ -32,9 +32,18 @@ def _all() -> dict[str, str]:
     return parse_named(sql_text("queries.sql"))
 
 
-def query(name: str) -> sql.SQL:
-    """The named query, ready to execute."""
+def query_text(name: str) -> str:
+    """The named query as a plain string, for a hot path that executes it as is.
+
+    psycopg prepares a statement by its text after a few runs; a string goes
+    out as it is, where `query()` is composed again on every execute.
+    """
     try:
-        return sql.SQL(_all()[name])
+        return _all()[name]
     except KeyError:
         raise KeyError(f"no query named {name!r} in queries.sql") from None
+
+
+def query(name: str) -> sql.SQL:
+    """The named query, ready to execute."""
+    return sql.SQL(query_text(name))

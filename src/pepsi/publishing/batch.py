@@ -18,19 +18,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from pepsi.config import Config, Overflow
+from pepsi.db.queries import query_text
 from pepsi.publishing.errors import NoRoute
 from pepsi.publishing.message import OutgoingMessage, Row, validate
 
-# Both queries return one row per message sent, in publish order.
-SQL = (
-    "SELECT out_ord, out_id, out_inserted FROM pepsi.workqueue_publish("
-    "%b::text[], %b::text[], %b::boolean[], %b::text[], %b::text[], %b::text[], "
-    "%b::inet[], %b::text[], %b::text[], %b::text[], %b::text[], %b::jsonb[], "
-    "%b::timestamptz[], %b::bytea[], %b::bytea[], "
-    "%b::text[], %b::bigint[], %b::boolean[], %b::text[], %b)"
-)
-PLAIN_SQL = "SELECT * FROM pepsi.workqueue_publish_plain(%b::text[], %b::bytea[], %b::bytea[])"
-ONE_SQL = "SELECT pepsi.workqueue_publish_one(%b::text, %b::bytea, %b::bytea)"
+# Each returns one row per message sent, in publish order. Strings, not
+# sql.SQL: executed as they are, prepared by psycopg after a few runs. In
+# queries.sql they stay one line with no comment: that text is what the
+# server sees and what the benchmarks measured.
+SQL = query_text("workqueue_publish")
+PLAIN_SQL = query_text("workqueue_publish_plain")
+ONE_SQL = query_text("workqueue_publish_one")
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,16 @@ from typing import Any, Self
 import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
-from pepsi.config import Config, load_config
+from pepsi.config import (
+    Config,
+    OverlayRow,
+    load_config,
+    read_overlay,
+    read_overlay_async,
+    with_overlay,
+)
 from pepsi.db import connect as db_connect
 from pepsi.db import schema
-from pepsi.db.queries import query
 from pepsi.errors import DatabaseUnavailable
 from pepsi.publishing import batch
 from pepsi.publishing.errors import NotConfirmed, Rejected
@@ -74,9 +80,8 @@ class _Routes:
         self.base = config
         self.current = config
 
-    def apply(self, overlay: Sequence[tuple[Any, ...]]) -> None:
-        rows = [(str(s), str(k), None if v is None else str(v)) for s, k, v in overlay]
-        self.current = load_config(self.base.path, rows) if rows else self.base
+    def apply(self, overlay: Sequence[OverlayRow]) -> None:
+        self.current = with_overlay(self.base, overlay)
 
     def needs_refresh(self, messages: Sequence[OutgoingMessage]) -> bool:
         return any(m.stage not in self.current.stages for m in messages)
@@ -117,7 +122,7 @@ class Publisher:
         return self.routes.current
 
     def _refresh(self, conn: AnyConn) -> None:
-        self.routes.apply(conn.execute(query("config_override_all")).fetchall())
+        self.routes.apply(read_overlay(conn))
 
     def publish(
         self, stage: str, body: Any = None, *, connection: AnyConn | None = None, **fields: Any
@@ -215,8 +220,7 @@ class AsyncPublisher:
             await self._refresh(conn)
 
     async def _refresh(self, conn: AnyAConn) -> None:
-        cur = await conn.execute(query("config_override_all"))
-        self.routes.apply(await cur.fetchall())
+        self.routes.apply(await read_overlay_async(conn))
 
     async def publish(
         self, stage: str, body: Any = None, *, connection: AnyAConn | None = None, **fields: Any

@@ -111,8 +111,26 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.database = (
   AND l.pid <> pg_backend_pid()
 LIMIT 1;
 
--- name: config_override_all
+-- name: config_override_list
+-- The database overlay, read by every program (pepsi.config.overlay).
 SELECT section, key, value FROM pepsi.config_override ORDER BY section, key;
+
+-- name: workqueue_publish
+SELECT out_ord, out_id, out_inserted FROM pepsi.workqueue_publish(%b::text[], %b::text[], %b::boolean[], %b::text[], %b::text[], %b::text[], %b::inet[], %b::text[], %b::text[], %b::text[], %b::text[], %b::jsonb[], %b::timestamptz[], %b::bytea[], %b::bytea[], %b::text[], %b::bigint[], %b::boolean[], %b::text[], %b)
+
+-- name: workqueue_publish_plain
+SELECT * FROM pepsi.workqueue_publish_plain(%b::text[], %b::bytea[], %b::bytea[])
+
+-- name: workqueue_publish_one
+SELECT pepsi.workqueue_publish_one(%b::text, %b::bytea, %b::bytea)
+
+-- name: database_exists
+-- The embedded server's first start: is the `pepsi` database there yet?
+SELECT 1 FROM pg_database WHERE datname = %(name)s;
+
+-- name: database_create
+-- The name is an identifier, composed with psycopg.sql: a parameter cannot be one.
+CREATE DATABASE {name};
 
 -- name: workqueue_expire
 -- R-10: dead-letter pending rows past their stage's TTL or their own expiry.

@@ -1,0 +1,153 @@
+"""The typed configuration: one frozen dataclass per section, defaults on them.
+
+The defaults here are the only ones: the parsers leave a field unset when its
+key is absent, and the code that acts on a setting takes it from these
+objects instead of keeping a default of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from types import MappingProxyType
+
+OVERLAY_ORIGIN = "pepsi.config_override"
+STAGE_PREFIX = "stage-"
+MIB = 1024 * 1024
+
+# A stage's failure timing (W-3): the first host-failure retry after a
+# minute, doubling up to an hour, for at most 120 hours in the system.
+RETRY_DELAY = 60.0
+RETRY_MAX_DELAY = 3600.0
+MAX_LIFETIME = 120 * 3600.0
+MAX_RUNTIME = 300.0
+
+
+class Overflow(Enum):
+    """What a publish does to a stage at MAX_LENGTH (R-3)."""
+
+    REJECT_PUBLISH = "reject-publish"
+    DROP_HEAD = "drop-head"
+
+
+@dataclass(frozen=True)
+class PepsiOptions:
+    allow_fusion: bool = True
+    share_telemetry: bool = False
+
+
+@dataclass(frozen=True)
+class DispatchOptions:
+    config_file: Path | None = None
+    poll_interval: float = 5.0
+    stats_interval: float = 60.0
+    fair_scheduling: bool = True
+    fair_half_life: float = 60.0
+    fair_fifo_percent: int = 10
+    worker_idle_timeout: float = 5.0
+    # Failure handling (W-4…W-7); the manual's timings, shortened only in tests.
+    strike_delay: float = 60.0  # first strike pause; the second is twice as long
+    db_error_pause: float = 30.0  # status 74: how long the message pauses
+    tempfail_window: float = 300.0  # status 75: how long a halved cap lasts
+    start_cooldown: float = 5.0  # a stage's rest after a worker died before ready
+    metrics_address: tuple[str, int] | None = None  # Prometheus endpoint; off by default
+    vacuum_after: int = 20_000  # stage passes between the dispatcher's VACUUMs; 0: never
+    # Worker lifecycle and connection timings; the defaults suit production.
+    lock_wait: float = 10.0  # a second dispatcher's wait for the singleton lock (P-1)
+    worker_ready_timeout: float = 60.0  # a new worker's time to print `ready`
+    worker_stop_timeout: float = 10.0  # a worker asked to finish (stdin closed)
+    worker_kill_grace: float = 2.0  # at shutdown, between SIGTERM and SIGKILL
+    reconnect_max_delay: float = 30.0  # cap of the reconnect backoff (doubling from 1 s)
+
+
+def default_data_dir() -> Path:
+    """Where the embedded server keeps its data unless DATA_DIR says otherwise."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "pepsi" / "postgres"
+
+
+@dataclass(frozen=True)
+class PostgresOptions:
+    dsn: str | None = None
+    data_dir: Path = field(default_factory=default_data_dir)
+    worker_synchronous_commit: bool = False
+    pool_min_size: int = 1
+    pool_max_size: int = 4
+    connect_timeout: float = 10.0
+
+
+@dataclass(frozen=True)
+class IngressOptions:
+    dedup_window: float = 24 * 3600.0
+    max_message_size: int = 64 * MIB
+
+
+@dataclass(frozen=True)
+class BouncerOptions:
+    sink: str | None = None  # a stage name; None: the table pepsi.dead_letter
+    interval: float = 30.0
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    name: str
+    program: str | None = None
+    handler: str | None = None
+    next: str | None = None
+    parallelism: int = 4
+    queue_limit: int = 64  # the most ids a worker holds; its window adapts below (P-6)
+    max_messages: int = 100_000  # recycle a worker after this many (P-6); see docs/configuration.md
+    max_runtime: float = MAX_RUNTIME
+    max_lifetime: float = MAX_LIFETIME
+    retry_delay: float = RETRY_DELAY  # first host-failure retry; doubles each time
+    retry_max_delay: float = RETRY_MAX_DELAY
+    bounce_stage: str | None = None
+    fusion: bool | None = None  # None: the stage's own default
+    max_length: int | None = None
+    overflow: Overflow = Overflow.REJECT_PUBLISH
+    ttl: float | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Messages in flight at once for this stage (P-6, R-5)."""
+        return self.parallelism * self.queue_limit
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path | None
+    pepsi: PepsiOptions = field(default_factory=PepsiOptions)
+    dispatch: DispatchOptions = field(default_factory=DispatchOptions)
+    postgres: PostgresOptions = field(default_factory=PostgresOptions)
+    ingress: IngressOptions = field(default_factory=IngressOptions)
+    bouncer: BouncerOptions = field(default_factory=BouncerOptions)
+    stages: Mapping[str, StageConfig] = field(default_factory=lambda: MappingProxyType({}))
+    warnings: tuple[str, ...] = ()
+
+    def entry_stages(self) -> list[str]:
+        """Stages no other stage advances or bounces to: where publishing starts."""
+        targets = {s.next for s in self.stages.values()} | {
+            s.bounce_stage for s in self.stages.values()
+        }
+        return [name for name in self.stages if name not in targets]
+
+
+# --------------------------------------------------------------------------
+# Raw sections: every value remembers where it came from, for error messages.
+
+
+@dataclass(frozen=True)
+class RawValue:
+    value: str
+    origin: str  # a file name or OVERLAY_ORIGIN
+
+
+RawSections = dict[str, dict[str, RawValue]]
+
+
+def origin_of(keys: Mapping[str, RawValue], key: str, fallback: str | None) -> str | None:
+    """Where `key` was set (for an error message), else `fallback`."""
+    return keys[key].origin if key in keys else fallback

@@ -1,0 +1,127 @@
+"""Value parsers: each returns the typed value or raises ValueError(problem).
+
+The problem text becomes the end of a ConfigError that names the file,
+section and key, so it says what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from pepsi.config.model import MIB, Overflow
+from pepsi.durations import parse_duration
+
+STAGE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+HANDLER_REF = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+
+_SIZE = re.compile(r"(\d+)\s*([kmg]i?b?|b)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+
+
+def boolean(text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("yes", "true", "on", "1"):
+        return True
+    if word in ("no", "false", "off", "0"):
+        return False
+    raise ValueError(f"expected yes or no, got {text!r}")
+
+
+def integer(low: int, high: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+            raise ValueError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def duration(minimum: float = 0.001) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = parse_duration(text)
+        if value < minimum:
+            raise ValueError(f"must be at least {minimum:g}s, got {text!r}")
+        return value
+
+    return parse
+
+
+def size(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        match = _SIZE.fullmatch(text.strip())
+        if match is None:
+            raise ValueError(f"expected a size such as 512K or 64M, got {text!r}")
+        unit = (match.group(2) or "").lower()[:1]
+        value = int(match.group(1)) * _SIZE_UNITS[unit]
+        if not low <= value <= high:
+            raise ValueError(f"must be between {low} bytes and {high // MIB}M, got {text!r}")
+        return value
+
+    return parse
+
+
+def text(value: str) -> str:
+    stripped = value.strip()
+    if not stripped:
+        raise ValueError("must not be empty")
+    return stripped
+
+
+def listen_address(text: str) -> tuple[str, int] | None:
+    """HOST:PORT (an IPv6 host in brackets), or `off`; port 0 picks a free one."""
+    value = text.strip()
+    if value.lower() in ("", "off", "no"):
+        return None
+    host, sep, port = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT such as 127.0.0.1:9464, or off; got {text!r}")
+    return host, int(port)
+
+
+def path(value: str) -> Path:
+    return Path(text(value)).expanduser()
+
+
+def stage_ref(text: str) -> str:
+    value = text.strip()
+    if not STAGE_NAME.fullmatch(value):
+        raise ValueError(f"not a stage name: {text!r}")
+    return value
+
+
+def program(value: str) -> str:
+    command = text(value)
+    if "/" in command and not command.startswith("/"):
+        raise ValueError(f"must be a command on PATH or an absolute path, got {command!r}")
+    return command
+
+
+def handler(text: str) -> str:
+    value = text.strip()
+    if not HANDLER_REF.fullmatch(value):
+        raise ValueError(f"expected package.module:function, got {text!r}")
+    return value
+
+
+def overflow(text: str) -> Overflow:
+    try:
+        return Overflow(text.strip().lower())
+    except ValueError:
+        choices = ", ".join(o.value for o in Overflow)
+        raise ValueError(f"expected one of {choices}, got {text!r}") from None
+
+
+def sink(text: str) -> str | None:
+    """A stage name, or `table` for pepsi.dead_letter."""
+    value = text.strip()
+    if value.lower() == "table":
+        return None
+    return stage_ref(value)
