@@ -119,3 +119,40 @@ def test_bodyless_stage_batches_round_trips(
     assert 16 <= header_stage <= 18  # the header came with the row: no extra SELECT
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM pepsi.workqueue").fetchone() == (0,)
+
+
+def test_a_stage_added_in_the_database_overlay_runs(
+    dsn: str, rows: list[int], tmp_path: Path
+) -> None:
+    conf = tmp_path / "pepsi.conf"
+    conf.write_text(CONF.replace("[stage-meta]", "[stage-other]"))  # no [stage-meta] in the file
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO pepsi.config_override (section, key, value)"
+            " VALUES ('stage-meta', 'HANDLER', 'tests.stages:count'),"
+            " ('stage-meta', 'NEXT', 'body')"
+        )
+        lines = run_worker(dsn, conf, "meta", rows)
+        assert [parse_status(line).status for line in lines] == [0] * 8
+        moved = conn.execute(
+            "SELECT DISTINCT stage, status::text, state FROM pepsi.workqueue"
+        ).fetchall()
+    assert moved == [("body", "pending", {"passes": 1, "stages": ["meta"]})]
+
+
+def test_a_stage_found_nowhere_is_refused_in_one_line(dsn: str, tmp_path: Path) -> None:
+    conf = tmp_path / "pepsi.conf"
+    conf.write_text(CONF)
+    done = subprocess.run(
+        [sys.executable, "-m", "pepsi", "-c", str(conf), "worker"],
+        env={**os.environ, "PEPSI_STAGE": "nowhere", "PEPSI_DSN": dsn},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+    assert done.returncode == 78
+    assert done.stdout == ""  # never ready
+    assert done.stderr.strip().endswith("no [stage-nowhere] in the configuration")
+    assert "Traceback" not in done.stderr

@@ -9,6 +9,7 @@ from pepsi.commands import summary
 from pepsi.db import connect
 from pepsi.errors import ConfigError
 from pepsi.worker import runtime
+from pepsi.worker.handlers import WorkerRefused
 
 if TYPE_CHECKING:
     from pepsi.cli import Context
@@ -30,8 +31,8 @@ def run_worker(args: argparse.Namespace, ctx: Context) -> int:
     stage = runtime.stage_from_env()
     try:
         config = ctx.config()
-    except runtime.WorkerRefused:
+    except WorkerRefused:
         raise
     except ConfigError as exc:  # a configuration that does not parse: refuse (W-7)
-        raise runtime.WorkerRefused(str(exc)) from None
+        raise WorkerRefused(str(exc)) from None
     return runtime.run(config, stage, connect.resolve(config).dsn)

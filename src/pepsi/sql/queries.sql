@@ -295,7 +295,7 @@ NOTIFY workqueue;
 -- name: workqueue_listen
 LISTEN workqueue;
 
--- name: worker_asynchronous_commit
+-- name: session_synchronous_commit_off
 -- W-2: a lost advance only repeats a stage, so workers commit without waiting.
 SET synchronous_commit = off;
 

@@ -1,0 +1,45 @@
+"""Finding a stage's function: `HANDLER = package.module:function` (W-7)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from pepsi.config import StageConfig
+from pepsi.errors import EX_CONFIG, ConfigError
+from pepsi.stage import Message
+
+StageFunc = Callable[[Message], Any]
+
+
+class WorkerRefused(ConfigError):
+    """The worker cannot run this stage as configured: exit 78 before ready."""
+
+    exit_code = EX_CONFIG
+
+
+def load_handler(stage: StageConfig) -> StageFunc:
+    """Import `package.module:function`; WorkerRefused if it is not there."""
+    if stage.handler is None:
+        raise WorkerRefused(
+            "has no HANDLER: `pepsi worker` runs Python stages only",
+            section=f"stage-{stage.name}",
+        )
+    module_name, _, attr = stage.handler.partition(":")
+    where = {"section": f"stage-{stage.name}", "key": "HANDLER"}
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except ImportError as exc:
+        raise WorkerRefused(f"cannot import {module_name}: {exc}", **where) from None
+    except AttributeError:
+        raise WorkerRefused(f"{module_name} has no {attr}", **where) from None
+    except Exception as exc:  # noqa: BLE001  # a module failing at import: refuse (W-7)
+        detail = f"{type(exc).__name__}: {exc}"
+        raise WorkerRefused(f"importing {module_name} failed: {detail}", **where) from None
+    if not callable(target):
+        raise WorkerRefused(f"{stage.handler} is not callable", **where)
+    func: StageFunc = target
+    return func

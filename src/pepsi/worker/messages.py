@@ -1,0 +1,79 @@
+"""Loading the rows a worker was handed as `Message`s: one SELECT per batch.
+
+A stage gets what it declared (`@stage(needs=...)`): metadata only, the
+header block too, or the header and the body. What it did not declare is
+loaded on first access, with one more SELECT.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from pepsi.config import StageConfig
+from pepsi.db.queries import query
+from pepsi.stage import BodyLoader, Message, Needs
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+
+class MessageLoader:
+    """Turns ids into the messages still running at one stage, as the stage needs them."""
+
+    def __init__(self, stage: StageConfig, needs: Needs) -> None:
+        self.stage = stage
+        self.needs = needs
+
+    def load(self, conn: Conn, ids: list[int]) -> dict[int, Message]:
+        """The rows among `ids` still running at the stage (a repair may have moved one)."""
+        rows = conn.execute(
+            query("workqueue_load_running"),
+            {
+                "ids": ids,
+                "stage": self.stage.name,
+                "with_header": self.needs is not Needs.METADATA,
+                "with_body": self.needs is Needs.BODY,
+            },
+        ).fetchall()
+        return {int(row[0]): self._message(conn, row) for row in rows}
+
+    def _message(self, conn: Conn, row: tuple[Any, ...]) -> Message:
+        (wid, stage, arrived, message_id, sender, recipients, user, peer, header_from,
+         subject, content_type, correlation_id, properties, state, sender_key, body_id,
+         header, body) = row  # fmt: skip
+        msg = Message(
+            id=wid,
+            stage=stage,
+            arrived=arrived,
+            options=self.stage,
+            message_id=message_id,
+            sender=sender,
+            recipients=tuple(recipients or ()),
+            origin_user=user,
+            origin_peer=peer,
+            header_from=header_from,
+            subject=subject,
+            content_type=content_type,
+            correlation_id=correlation_id,
+            properties=dict(properties or {}),
+            state=dict(state or {}),
+            sender_key=sender_key,
+            _header=header,
+            _body=body,
+        )
+        if self.needs is not Needs.BODY and body_id is not None:
+            msg._loader = body_loader(conn, body_id, keep_header=self.needs is Needs.HEADER)
+        return msg
+
+
+def body_loader(conn: Conn, body_id: int, *, keep_header: bool) -> BodyLoader:
+    """Load what the stage did not declare, on first access (one SELECT)."""
+
+    def load() -> tuple[bytes | None, bytes | None]:
+        row = conn.execute(
+            query("workqueue_body_get"), {"body_id": body_id, "with_header": not keep_header}
+        ).fetchone()
+        return (row[0], row[1]) if row else (None, None)
+
+    return load

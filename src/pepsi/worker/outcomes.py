@@ -1,0 +1,153 @@
+"""What a stage's result does to its message's row (W-2, W-3). Pure, clock injected.
+
+The runner hands over what the stage returned (`after_return`) or raised
+(`after_raise`), the message as the stage left it, and the state as it was
+loaded (JSON text); back comes one `Decision`: the row's next stage, status,
+state and timeout, or its deletion, with the word the status line's report
+carries and, after a failure, the error to log. The stage's timings come
+from its configuration (`msg.options`), the only source of their defaults.
+
+- `None` or `Advance()`: pending at NEXT (or at `Advance.to`); finished
+  (deleted) when there is no NEXT. `strikes` and `temporary_failures` start
+  again at a new stage.
+- `Finish()`: deleted. `Pause(until, reason)`: paused until `until`.
+- A state that is not a JSON object cannot be written: the loaded one is
+  kept, and on the success path that is the stage's error (a host failure).
+- `PermanentError`: failed at once (`failure_class` = permanent).
+- Any other exception, an Advance to an unknown stage or a value that is not
+  an outcome is a host failure: paused and retried after RETRY_DELAY,
+  doubling up to RETRY_MAX_DELAY, until the message has been in the system
+  longer than MAX_LIFETIME; then it goes on to BOUNCE_STAGE, or fails
+  (`failure_class` = retries-exhausted).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Container
+from datetime import datetime, timedelta
+from typing import Any, NamedTuple
+
+from pepsi.stage import Advance, Finish, Message, Pause, PermanentError
+
+Clock = Callable[[], datetime]
+ERROR_LIMIT = 2000  # characters of an error kept in state.last_error
+PER_STAGE = ("strikes", "temporary_failures")  # counts that start again at each stage
+
+
+class Decision(NamedTuple):
+    """One row's update after its stage ran (a tuple: it is built once per message)."""
+
+    outcome: str  # the report's word: advance, finish, pause, retry or fail
+    stage: str | None = None  # the row's next stage; None: the row is deleted (finished)
+    status: str | None = None  # the row's next status: pending, paused or failed
+    state: dict[str, Any] | None = None
+    timeout: datetime | None = None
+    error: str | None = None  # a failure as logged (state.last_error has it truncated)
+
+    @property
+    def exit_status(self) -> int:
+        """The status line's status: 1 for a failed message, else 0."""
+        return 1 if self.status == "failed" else 0
+
+    def row(self, workqueue_id: int) -> dict[str, Any]:
+        """The update as `workqueue_record_outcomes` reads it (one JSON object)."""
+        return {
+            "workqueue_id": workqueue_id,
+            "stage": self.stage,
+            "status": self.status,
+            "timeout": self.timeout.isoformat() if self.timeout else None,
+            "state": self.state,
+        }
+
+
+FINISH = Decision("finish")
+ADVANCE = Advance()  # what a stage returning None means
+
+
+def retry_delay(failures: int, first: float, cap: float) -> float:
+    """Seconds before retry number `failures`: first, 2 × first, 4 × first … ≤ cap."""
+    return min(cap, first * 2.0 ** max(0, min(failures - 1, 30)))
+
+
+def after_return(  # noqa: PLR0911  # one return per outcome reads best
+    result: object, msg: Message, loaded_state: str, stages: Container[str], now: Clock
+) -> Decision:
+    """The decision for what the stage returned; `stages` are those it may advance to."""
+    state = msg.state
+    if type(state) is not dict or state:  # an empty dict (the common case) is JSON as it is
+        problem = _state_problem(state)
+        if problem is not None:
+            return _host_failure(msg, json.loads(loaded_state), f"TypeError: {problem}", now)
+    if result is None:
+        result = ADVANCE
+    match result:
+        case Advance(to=to):
+            target = to or msg.options.next
+            if target is None:
+                return FINISH
+            if target not in stages:
+                return _host_failure(msg, state, f"advance to unknown stage {target!r}", now)
+            if target != msg.stage and ("strikes" in state or "temporary_failures" in state):
+                state = {k: v for k, v in state.items() if k not in PER_STAGE}
+            return Decision("advance", target, "pending", state)
+        case Finish():
+            return FINISH
+        case Pause(until=until, reason=reason) if until is None or isinstance(until, datetime):
+            if reason:
+                state = {**state, "pause_reason": reason}
+            return Decision("pause", msg.stage, "paused", state, until)
+        case _:
+            return _host_failure(msg, state, f"stage returned {result!r}, not an outcome", now)
+
+
+def after_raise(exc: Exception, msg: Message, loaded_state: str, now: Clock) -> Decision:
+    """The decision for what the stage raised: PermanentError fails, the rest retries.
+
+    A state the stage left unwritable is replaced by the loaded one quietly:
+    the stage's own error is the one recorded.
+    """
+    state = msg.state
+    if _state_problem(state) is not None:
+        state = json.loads(loaded_state)
+    if isinstance(exc, PermanentError):
+        error = str(exc)
+        new_state = {
+            **state,
+            "last_error": _error_text(error or "permanent"),
+            "failed_stage": msg.stage,
+            "failure_class": "permanent",
+        }
+        return Decision("fail", msg.stage, "failed", new_state, error=error)
+    return _host_failure(msg, state, f"{type(exc).__name__}: {exc}", now)
+
+
+def _state_problem(state: object) -> str | None:
+    """Why `state` cannot be written to the row; None if it can."""
+    if not isinstance(state, dict):
+        return f"state is not a JSON object but {type(state).__name__}"
+    try:
+        json.dumps(state)
+    except (TypeError, ValueError) as exc:
+        return f"state is not JSON: {exc}"
+    return None
+
+
+def _host_failure(msg: Message, state: dict[str, Any], error: str, now: Clock) -> Decision:
+    options = msg.options
+    failures = int(state.get("temporary_failures", 0)) + 1
+    new_state = {**state, "last_error": _error_text(error), "temporary_failures": failures}
+    moment = now()
+    if moment - msg.arrived > timedelta(seconds=options.max_lifetime):
+        new_state["failed_stage"] = msg.stage
+        new_state["failure_class"] = "retries-exhausted"
+        if options.bounce_stage is not None:
+            return Decision("advance", options.bounce_stage, "pending", new_state, error=error)
+        return Decision("fail", msg.stage, "failed", new_state, error=error)
+    delay = retry_delay(failures, options.retry_delay, options.retry_max_delay)
+    until = moment + timedelta(seconds=delay)
+    return Decision("retry", msg.stage, "paused", new_state, until, error)
+
+
+def _error_text(error: str) -> str:
+    return error if len(error) <= ERROR_LIMIT else error[: ERROR_LIMIT - 1] + "…"

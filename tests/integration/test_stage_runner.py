@@ -1,0 +1,403 @@
+"""`StageRunner` in-process against a real database: rows in, row updates and status lines out.
+
+Each test puts rows in `running` at a stage (as a claim leaves them), runs one
+batch and reads back what became of the rows and what the dispatcher would
+have been told.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import conninfo, sql
+from psycopg.types.json import Jsonb
+
+from pepsi.config import Config, load_config
+from pepsi.protocol import Pass, StatusLine, parse_status
+from pepsi.stage import Message, PermanentError, stage
+from pepsi.worker.handlers import StageFunc
+from pepsi.worker.runner import StageRunner
+from pepsi.worker.runtime import connect_worker
+
+Conn = psycopg.Connection[tuple[Any, ...]]
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+UNTIL = datetime(2030, 1, 1, tzinfo=UTC)
+
+CONF = """
+[stage-a]
+HANDLER = tests.stages:noop
+NEXT = b
+QUEUE_LIMIT = 8
+RETRY_DELAY = 10s
+RETRY_MAX_DELAY = 30s
+MAX_LIFETIME = 1h
+[stage-b]
+HANDLER = tests.stages:noop
+[stage-dead]
+HANDLER = tests.stages:noop
+[stage-bounced]
+HANDLER = tests.stages:noop
+NEXT = b
+MAX_LIFETIME = 1h
+BOUNCE_STAGE = dead
+"""
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Config:
+    path = tmp_path / "pepsi.conf"
+    path.write_text(CONF)
+    return load_config(path)
+
+
+@pytest.fixture
+def make_runner(dsn: str, config: Config) -> Iterator[Callable[..., StageRunner]]:
+    """Runners on worker connections (as `pepsi worker` opens them), closed at the end."""
+    runners: list[StageRunner] = []
+
+    def make(
+        func: StageFunc, stage_name: str = "a", *, at: datetime = NOW, worker_dsn: str = dsn
+    ) -> StageRunner:
+        def open_connection() -> Conn:
+            return connect_worker(worker_dsn, stage_name, synchronous_commit=False)
+
+        runner = StageRunner(
+            config,
+            config.stages[stage_name],
+            func,
+            open_connection(),
+            reconnect=open_connection,
+            now=lambda: at,
+        )
+        runners.append(runner)
+        return runner
+
+    yield make
+    for runner in runners:
+        runner.conn.close()
+        if runner.loop is not None:
+            runner.loop.close()
+
+
+def running(
+    conn: Conn,
+    stage_name: str = "a",
+    *,
+    properties: dict[str, Any] | None = None,
+    state: dict[str, Any] | None = None,
+    body: bytes | None = None,
+    arrived: datetime = NOW,
+) -> int:
+    """A row as a claim leaves it: running at `stage_name`."""
+    body_id = None
+    if body is not None:
+        row = conn.execute(
+            "INSERT INTO pepsi.workqueue_body (header, body) VALUES ('Subject: hi', %s)"
+            " RETURNING body_id",
+            (body,),
+        ).fetchone()
+        assert row is not None
+        body_id = row[0]
+    row = conn.execute(
+        "INSERT INTO pepsi.workqueue (stage, status, arrived, properties, state, body_id)"
+        " VALUES (%s, 'running', %s, %s, %s, %s) RETURNING workqueue_id",
+        (stage_name, arrived, Jsonb(properties or {}), Jsonb(state or {}), body_id),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def row_of(conn: Conn, wid: int) -> tuple[str, str, dict[str, Any], datetime | None] | None:
+    """(stage, status, state, timeout), or None once the row is deleted (finished)."""
+    row = conn.execute(
+        "SELECT stage, status::text, state, timeout FROM pepsi.workqueue WHERE workqueue_id = %s",
+        (wid,),
+    ).fetchone()
+    return None if row is None else (row[0], row[1], row[2], row[3])
+
+
+def lines(out: bytes) -> list[StatusLine]:
+    assert out.endswith(b"\n")
+    return [parse_status(line) for line in out.splitlines()]
+
+
+def outcomes(out: bytes) -> list[tuple[int, str | None]]:
+    """(status, outcome) per line; a line without a report has outcome None."""
+    result = []
+    for line in lines(out):
+        report = line.report or (Pass("", 0, None),)
+        result.append((line.status, report[0].outcome))
+    return result
+
+
+@stage()
+def by_property(msg: Message) -> object:
+    """Does what the message's `do` property says."""
+    do = msg.properties.get("do")
+    msg.state["ran"] = msg.state.get("ran", 0) + 1
+    match do:
+        case "finish":
+            return msg.finish()
+        case "pause":
+            return msg.pause(until=UNTIL, reason="waiting")
+        case "advance":
+            return msg.advance(msg.properties["to"])
+        case "permanent":
+            raise PermanentError("cannot parse this")
+        case "host":
+            raise ConnectionError("upstream unavailable")
+        case "bad-state":
+            msg.state["oops"] = {1, 2}
+        case "bad-state-then-error":
+            msg.state["oops"] = object()
+            raise RuntimeError("and then it breaks")
+    return None
+
+
+# --- outcomes -------------------------------------------------------------------
+
+
+def test_a_batch_records_every_outcome_in_order(
+    conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    ids = [
+        running(conn),  # None: advance to NEXT
+        running(conn, properties={"do": "finish"}),
+        running(conn, properties={"do": "pause"}),
+        running(conn, properties={"do": "advance", "to": "dead"}, state={"strikes": 1}),
+        running(conn, properties={"do": "permanent"}),
+        running(conn, properties={"do": "host"}),
+    ]
+    runner = make_runner(by_property)
+    assert runner.batch_limit == 8  # metadata only: every buffered id at once
+    out = runner.run_batch(ids)
+    assert outcomes(out) == [
+        (0, "advance"),
+        (0, "finish"),
+        (0, "pause"),
+        (0, "advance"),
+        (1, "fail"),
+        (0, "retry"),
+    ]
+    assert all(line.report and line.report[0].stage == "a" for line in lines(out))
+
+    advanced, finished, paused, moved, failed, retried = (row_of(conn, wid) for wid in ids)
+    assert advanced == ("b", "pending", {"ran": 1}, None)
+    assert finished is None
+    assert paused == ("a", "paused", {"ran": 1, "pause_reason": "waiting"}, UNTIL)
+    assert moved == ("dead", "pending", {"ran": 1}, None)  # strikes start again at a new stage
+    assert failed == (
+        "a",
+        "failed",
+        {
+            "ran": 1,
+            "last_error": "cannot parse this",
+            "failed_stage": "a",
+            "failure_class": "permanent",
+        },
+        None,
+    )
+    assert retried == (
+        "a",
+        "paused",
+        {"ran": 1, "last_error": "ConnectionError: upstream unavailable", "temporary_failures": 1},
+        NOW + timedelta(seconds=10),  # RETRY_DELAY, from the injected clock
+    )
+
+
+def test_failures_are_logged_under_the_stage(
+    conn: Conn, make_runner: Callable[..., StageRunner], caplog: pytest.LogCaptureFixture
+) -> None:
+    permanent = running(conn, properties={"do": "permanent"})
+    host = running(conn, properties={"do": "host"}, state={"temporary_failures": 5})
+    late = running(conn, "bounced", properties={"do": "host"})
+    with caplog.at_level(logging.INFO, logger="pepsi.stage"):
+        make_runner(by_property).run_batch([permanent, host])
+        make_runner(by_property, "bounced", at=NOW + timedelta(hours=2)).run_batch([late])
+    logged = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
+    assert logged == [
+        ("pepsi.stage.a", "ERROR", f"message {permanent} failed permanently: cannot parse this"),
+        (
+            "pepsi.stage.a",
+            "WARNING",
+            f"message {host}: ConnectionError: upstream unavailable; retry 6 at "
+            f"{NOW + timedelta(seconds=30)}",  # capped at RETRY_MAX_DELAY
+        ),
+        (
+            "pepsi.stage.bounced",
+            "ERROR",
+            f"message {late}: ConnectionError: upstream unavailable; giving up after retries",
+        ),
+    ]
+    stage_name, status, state, _ = row_of(conn, late) or ("", "", {}, None)
+    assert (stage_name, status) == ("dead", "pending")
+    assert state["failure_class"] == "retries-exhausted"
+
+
+def test_past_max_lifetime_without_bounce_stage_fails(
+    conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    wid = running(conn, properties={"do": "host"})
+    out = make_runner(by_property, at=NOW + timedelta(hours=2)).run_batch([wid])
+    assert outcomes(out) == [(1, "fail")]
+    stage_name, status, state, _ = row_of(conn, wid) or ("", "", {}, None)
+    assert (stage_name, status, state["failure_class"]) == ("a", "failed", "retries-exhausted")
+
+
+def test_a_state_that_is_not_json_never_breaks_the_batch(
+    conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    returned = running(conn, properties={"do": "bad-state"}, state={"kept": True})
+    raised = running(conn, properties={"do": "bad-state-then-error"})
+    fine = running(conn)
+    out = make_runner(by_property).run_batch([returned, raised, fine])
+    assert outcomes(out) == [(0, "retry"), (0, "retry"), (0, "advance")]
+    _, status, state, _ = row_of(conn, returned) or ("", "", {}, None)
+    assert status == "paused"
+    assert state["kept"] is True  # the state as it was loaded
+    assert "ran" not in state
+    assert state["last_error"].startswith("TypeError: state is not JSON:")
+    _, status, state, _ = row_of(conn, raised) or ("", "", {}, None)
+    assert (status, state["last_error"]) == ("paused", "RuntimeError: and then it breaks")
+    assert row_of(conn, fine) == ("b", "pending", {"ran": 1}, None)
+
+
+def test_an_id_no_longer_running_here_is_answered_zero_without_a_report(
+    conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    moved, kept = running(conn), running(conn)
+    conn.execute("UPDATE pepsi.workqueue SET stage = 'b' WHERE workqueue_id = %s", (moved,))
+    out = make_runner(by_property).run_batch([moved, kept])
+    assert outcomes(out) == [(0, None), (0, "advance")]
+    assert row_of(conn, moved) == ("b", "running", {}, None)  # untouched
+
+
+def test_an_async_stage_runs_on_the_runners_loop(
+    conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    @stage()
+    async def later(msg: Message) -> object:
+        msg.state["async"] = True
+        return msg.finish() if msg.properties.get("do") == "finish" else None
+
+    ids = [running(conn), running(conn, properties={"do": "finish"})]
+    runner = make_runner(later)
+    assert runner.loop is not None
+    assert outcomes(runner.run_batch(ids)) == [(0, "advance"), (0, "finish")]
+    assert row_of(conn, ids[0]) == ("b", "pending", {"async": True}, None)
+    assert row_of(conn, ids[1]) is None
+
+
+def test_a_stage_that_reads_bodies_runs_one_at_a_time(
+    conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    @stage(needs="body")
+    def measure(msg: Message) -> None:
+        msg.state["header"] = (msg.header or b"").decode()
+        msg.state["length"] = len(msg.body or b"")
+
+    wid = running(conn, body=b"hello")
+    runner = make_runner(measure)
+    assert runner.batch_limit == 1
+    assert outcomes(runner.run_batch([wid])) == [(0, "advance")]
+    assert row_of(conn, wid) == ("b", "pending", {"header": "Subject: hi", "length": 5}, None)
+
+
+def test_a_metadata_stage_loads_the_body_on_first_access(
+    conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    @stage()
+    def peek(msg: Message) -> None:
+        if msg.properties.get("peek"):
+            msg.state["body"] = (msg.body or b"").decode()
+
+    ids = [running(conn, body=b"one"), running(conn, body=b"two", properties={"peek": True})]
+    assert outcomes(make_runner(peek).run_batch(ids)) == [(0, "advance"), (0, "advance")]
+    assert row_of(conn, ids[0]) == ("b", "pending", {}, None)
+    assert row_of(conn, ids[1]) == ("b", "pending", {"body": "two"}, None)
+
+
+# --- the worker's own connection ----------------------------------------------------
+
+
+def terminate(conn: Conn, runner: StageRunner) -> None:
+    """End the runner's backend from another session, and wait until it is gone."""
+    row = conn.execute(
+        "SELECT pg_terminate_backend(%s, 10000)", (runner.conn.info.backend_pid,)
+    ).fetchone()
+    assert row == (True,)
+
+
+def test_a_lost_connection_answers_74_then_reconnects(
+    conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    ids = [running(conn), running(conn)]
+    runner = make_runner(by_property)
+    terminate(conn, runner)
+    assert runner.run_batch(ids) == b"74\n74\n"
+    assert [row_of(conn, wid) for wid in ids] == [("a", "running", {}, None)] * 2
+    assert outcomes(runner.run_batch(ids)) == [(0, "advance"), (0, "advance")]  # reconnected
+    assert [row_of(conn, wid) for wid in ids] == [("b", "pending", {"ran": 1}, None)] * 2
+
+
+def test_a_connection_lost_inside_the_stage_answers_74_for_the_batch(
+    conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    holder: list[StageRunner] = []
+
+    @stage()
+    def loses_it(msg: Message) -> None:
+        if msg.properties.get("lose"):
+            terminate(conn, holder[0])
+            msg.state["body"] = msg.body  # the lazy load on the lost connection
+        msg.state["ran"] = True
+
+    ids = [running(conn), running(conn, body=b"x", properties={"lose": True}), running(conn)]
+    holder.append(make_runner(loses_it))
+    assert holder[0].run_batch(ids) == b"74\n74\n74\n"  # nothing of the batch was written
+    assert [row_of(conn, wid) for wid in ids] == [("a", "running", {}, None)] * 3
+
+
+def test_without_a_way_to_reconnect_every_batch_answers_74(
+    dsn: str, conn: Conn, config: Config
+) -> None:
+    wid = running(conn)
+    worker = connect_worker(dsn, "a", synchronous_commit=False)
+    runner = StageRunner(config, config.stages["a"], by_property, worker)
+    terminate(conn, runner)
+    assert runner.run_batch([wid]) == b"74\n"
+    assert runner.run_batch([wid]) == b"74\n"
+    worker.close()
+
+
+@pytest.fixture
+def limited_role(dsn: str, conn: Conn) -> Iterator[str]:
+    """A DSN as a role that may hold one connection at a time."""
+    role = f"worker_{uuid.uuid4().hex[:8]}"
+    ident = sql.Identifier(role)
+    conn.execute(sql.SQL("CREATE ROLE {} LOGIN CONNECTION LIMIT 1").format(ident))
+    conn.execute(sql.SQL("GRANT USAGE ON SCHEMA pepsi TO {}").format(ident))
+    conn.execute(sql.SQL("GRANT ALL ON ALL TABLES IN SCHEMA pepsi TO {}").format(ident))
+    yield conninfo.make_conninfo(dsn, user=role)
+    conn.execute(sql.SQL("DROP OWNED BY {}").format(ident))
+    conn.execute(sql.SQL("DROP ROLE {}").format(ident))
+
+
+def test_a_reconnect_refused_for_the_connection_limit_answers_75(
+    conn: Conn, make_runner: Callable[..., StageRunner], limited_role: str
+) -> None:
+    wid = running(conn)
+    runner = make_runner(by_property, worker_dsn=limited_role)
+    terminate(conn, runner)
+    with psycopg.connect(limited_role):  # takes the role's one connection
+        assert runner.run_batch([wid]) == b"74\n"  # the loss, found by the load
+        assert runner.run_batch([wid]) == b"75\n"  # too many connections for the role
+    assert row_of(conn, wid) == ("a", "running", {}, None)
+    assert outcomes(runner.run_batch([wid])) == [(0, "advance")]
