@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 from common import scratch_database
 
-from pepsi.commands.top_cmd import count_queue, read_sample
+from pepsi.admin.activity import count_queue, read_sample
 from pepsi.db.queries import query
 from pepsi.dispatch.stats import Stats
 
@@ -77,9 +77,9 @@ def main() -> None:
                 return lambda: conn.execute(query(name), params).fetchall()
 
             results[str(rows)] = {
-                "queue_status_counts_ms": median_ms(run("queue_status_counts")),
-                "queue_status_heads_ms": median_ms(run("queue_status_heads", {"stages": STAGES})),
-                "queue_status_failures_ms": median_ms(run("queue_status_failures")),
+                "count_by_stage_status_ms": median_ms(run("workqueue_count_by_stage_status")),
+                "heads_by_stage_ms": median_ms(run("workqueue_heads_by_stage", {"stages": STAGES})),
+                "failures_by_class_ms": median_ms(run("workqueue_count_failures_by_class")),
                 "top_refresh_ms": median_ms(lambda: read_sample(conn, count_queue(conn).counts)),
                 "top_refresh_without_count_ms": median_ms(lambda: read_sample(conn, {})),
                 "stats_flush_ms": median_ms(lambda: conn.execute(query("stats_flush"), flush)),
@@ -87,7 +87,7 @@ def main() -> None:
     print(json.dumps(results, indent=2))
     big = results[str(SIZES[-1])]
     print(
-        f"1 M rows: queue status counts {big['queue_status_counts_ms']} ms, "
+        f"1 M rows: queue status counts {big['count_by_stage_status_ms']} ms, "
         f"top refresh {big['top_refresh_ms']} ms, stats flush {big['stats_flush_ms']} ms"
     )
 

@@ -12,35 +12,16 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from pepsi import __version__
-from pepsi.config import Config, load_config
+from pepsi.commands import Context, Handler, register
 from pepsi.errors import EX_ERROR, EX_OK, PepsiError, UsageError
 
 # Global options, as the pre-scan needs to know them.
 _GLOBAL_VALUED = ("-c", "--config", "-L", "--log")
 _GLOBAL_FLAGS = ("-v", "--verbose", "-V", "--version", "-h", "--help")
 _LEVELS = ("debug", "info", "warning", "error", "critical")
-
-
-@dataclass
-class Context:
-    """What every command handler gets: the global options, the config on demand."""
-
-    prog: str
-    config_path: Path | None
-    verbose: bool
-    _config: Config | None = field(default=None, repr=False)
-
-    def config(self) -> Config:
-        if self._config is None:
-            self._config = load_config(self.config_path)
-        return self._config
-
-
-Handler = Callable[[argparse.Namespace, Context], int]
 
 
 def _global_token(token: str) -> str | None:
@@ -80,8 +61,6 @@ def reject_trailing_globals(rest: Sequence[str]) -> None:
 
 def build_parser(prog: str, command: str | None = None) -> argparse.ArgumentParser:
     """The parser of `pepsi`; only `command`'s module is imported (the others list by name)."""
-    from pepsi import commands  # noqa: PLC0415
-
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Pepsi: a durable message pipeline stored in PostgreSQL.",
@@ -104,7 +83,7 @@ def build_parser(prog: str, command: str | None = None) -> argparse.ArgumentPars
     )
     parser.add_argument("-V", "--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    commands.register(sub, command)
+    register(sub, command)
     return parser
 
 

@@ -111,3 +111,19 @@ def test_running_rows_only_without_a_dispatcher(
         assert code == 1
         assert "running and the dispatcher is up" in err
     assert run(capsys, "delete", "4", "--yes", "--json")[1]["ids"] == [4]  # lock is free now
+
+
+def test_ids_beyond_bigint_are_one_line(queue: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    huge = str(2**70)
+    for args, message in (
+        (["resume", huge], f"no such message, or not in a state it applies to (paused): {huge}"),
+        (["delete", "1", huge, "--yes"], f"(pending/paused/failed/timeout/running): {huge}"),
+        (["show", huge], f"no message {huge} in the queue"),
+    ):
+        code, _, err = run(capsys, *args)
+        assert code == 1, args
+        assert message in err
+        assert err.count("\n") == 1
+    code, rows, _ = run(capsys, "list", "--limit", huge, "--json")
+    assert (code, [r["id"] for r in rows]) == (0, [1, 2, 3, 4, 5])
+    assert queue.execute("SELECT count(*) FROM pepsi.workqueue").fetchone() == (5,)

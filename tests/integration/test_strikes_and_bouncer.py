@@ -6,7 +6,7 @@ from typing import Any
 
 import psycopg
 
-from pepsi.commands.bouncer_cmd import bounce_once
+from pepsi.admin.bouncer import bounce_once
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -22,7 +22,8 @@ def running(conn: Conn, stage: str = "s", **columns: Any) -> int:
 
 def strike(conn: Conn, wid: int, kind: str = "crashed") -> int:
     row = conn.execute(
-        "SELECT pepsi.workqueue_strike(%s, 's', %s, 'worker died', ARRAY[60, 120]::float8[])",
+        # the third strike ends the row: the dispatcher's MAX_STRIKES
+        "SELECT pepsi.workqueue_strike(%s, 's', %s, 'worker died', ARRAY[60, 120]::float8[], 3)",
         (wid, kind),
     ).fetchone()
     assert row is not None

@@ -6,7 +6,15 @@ import json
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from pepsi.top import DispatchCounters, Sample, StageCounters, anchors, counts_due, frame, rate
+from pepsi.admin.top import (
+    DispatchCounters,
+    Sample,
+    StageCounters,
+    anchors,
+    counts_due,
+    frame,
+    rate,
+)
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 INTERVAL = 60.0  # STATS_INTERVAL

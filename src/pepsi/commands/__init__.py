@@ -5,13 +5,40 @@ lists them all without importing any; the command that runs is the only
 module loaded. That keeps `pepsi worker` (started for every worker process)
 from paying for the dispatcher, the publishers, rich and prometheus_client.
 Only commands that work are listed.
+
+A command module parses its arguments, calls the domain (`pepsi.admin`, the
+dispatcher, the worker, publishing) and prints; its handler gets the parsed
+arguments and a `Context`, defined here so that `pepsi.cli` and the command
+modules import it from the one module both already load.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pepsi.config import Config, load_config
+
+
+@dataclass
+class Context:
+    """What every command handler gets: the global options, the config on demand."""
+
+    prog: str
+    config_path: Path | None
+    verbose: bool
+    _config: Config | None = field(default=None, repr=False)
+
+    def config(self) -> Config:
+        if self._config is None:
+            self._config = load_config(self.config_path)
+        return self._config
+
+
+Handler = Callable[[argparse.Namespace, Context], int]
 
 
 @dataclass(frozen=True)

@@ -10,23 +10,13 @@ SIGTERM, or once with --once.
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import threading
-from typing import TYPE_CHECKING, Any
 
-import psycopg
-
-from pepsi.commands import summary
-from pepsi.db import connect, schema
-from pepsi.db.queries import query
-from pepsi.errors import EX_OK, DatabaseUnavailable
-
-if TYPE_CHECKING:
-    from pepsi.cli import Context
-
-log = logging.getLogger("pepsi.failure-bouncer")
-BATCH = 1000
+from pepsi.admin.bouncer import Bouncer, BouncerSettings
+from pepsi.commands import Context, summary
+from pepsi.db import connect
+from pepsi.errors import EX_OK
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -40,47 +30,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.set_defaults(handler=run_bouncer)
 
 
-def bounce_once(conn: Any, stages: list[str], sink: str | None) -> int:
-    """Move everything there is, BATCH at a time; return how many moved."""
-    total = 0
-    while True:
-        row = conn.execute(
-            query("workqueue_bounce_failed"), {"stages": stages, "sink": sink, "max_rows": BATCH}
-        ).fetchone()
-        moved = int(row[0]) if row else 0
-        total += moved
-        if moved < BATCH:
-            return total
-
-
 def run_bouncer(args: argparse.Namespace, ctx: Context) -> int:
     config = ctx.config()
-    stages = [s.name for s in config.stages.values() if s.bounce_stage is None]
-    sink = config.bouncer.sink
-    where = f"stage {sink}" if sink else "table pepsi.dead_letter"
+    settings = BouncerSettings.from_config(config)
     stop = threading.Event()
     if not args.once:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stop.set())
-    target = connect.resolve(config)
-    timeout = config.postgres.connect_timeout
-    with connect.connect(target.dsn, timeout=timeout) as first:
-        schema.require_current(first)
-    while True:
-        try:
-            with connect.connect(target.dsn, timeout=timeout) as conn:
-                moved = bounce_once(conn, [s for s in stages if s != sink], sink)
-        except (DatabaseUnavailable, psycopg.OperationalError) as exc:
-            if args.once:
-                raise DatabaseUnavailable(str(exc)) from None
-            log.warning(
-                "database unavailable (%s); retrying in %.0fs", exc, config.bouncer.interval
-            )
-            moved = 0
-        if moved:
-            log.warning("moved %d failed messages to %s", moved, where)
-        if args.once:
-            print(f"moved {moved} failed messages to {where}")
-            return EX_OK
-        if stop.wait(config.bouncer.interval):
-            return EX_OK
+    bouncer = Bouncer(
+        settings, connect.resolve(config).dsn, connect_timeout=config.postgres.connect_timeout
+    )
+    bouncer.check()
+    if args.once:
+        moved = bouncer.run_once()
+        print(f"moved {moved} failed messages to {settings.where}")
+        return EX_OK
+    bouncer.run(stop)
+    return EX_OK

@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from pepsi.commands import summary
+from pepsi.commands import Context, summary
 from pepsi.config import Config, default_locations, find_config
 from pepsi.durations import format_duration
 from pepsi.errors import EX_OK, ConfigError
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-    from pepsi.cli import Context
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from pepsi.commands import summary
-from pepsi.db import connect, schema
-from pepsi.db.embedded import EmbeddedServer
-from pepsi.db.queries import query
-from pepsi.errors import EX_OK, PepsiError
+from pepsi.admin.database import database_status, embedded_server
+from pepsi.commands import Context, summary
+from pepsi.db import connect
+from pepsi.errors import EX_OK
 
 if TYPE_CHECKING:
     from rich.console import Console
-
-    from pepsi.cli import Context
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,19 +33,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ).set_defaults(handler=run_url)
 
 
-def _embedded_only(ctx: Context, action: str) -> EmbeddedServer:
-    config = ctx.config()
-    if connect.configured_dsn(config):
-        raise PepsiError(
-            f"cannot {action} the embedded server: a DSN is configured "
-            f"({connect.Target(connect.configured_dsn(config) or '', None).source}), "
-            "so Pepsi uses that server"
-        )
-    return EmbeddedServer(config.postgres.data_dir)
-
-
 def run_start(args: argparse.Namespace, ctx: Context) -> int:
-    server = _embedded_only(ctx, "start")
+    server = embedded_server(ctx.config(), "start")
     server.start()
     status = server.status()
     print(f"embedded PostgreSQL running in {status.data_dir} (pid {status.pid})")
@@ -55,7 +42,7 @@ def run_start(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def run_stop(args: argparse.Namespace, ctx: Context) -> int:
-    server = _embedded_only(ctx, "stop")
+    server = embedded_server(ctx.config(), "stop")
     if server.stop():
         print(f"embedded PostgreSQL in {server.data_dir} stopped")
     else:
@@ -72,45 +59,31 @@ def run_status(args: argparse.Namespace, ctx: Context) -> int:
     from pepsi.terminal import console as make_console  # noqa: PLC0415  # rich loads slowly
     from pepsi.terminal import grid  # noqa: PLC0415
 
-    config = ctx.config()
+    found = database_status(ctx.config())
     console = make_console()
     facts = grid()
-    dsn = connect.configured_dsn(config)
-    if dsn is None:
-        status = EmbeddedServer(config.postgres.data_dir).status()
-        state = f"running, pid {status.pid}" if status.running else "stopped"
-        facts.add_row("database", f"embedded server in {status.data_dir} ({state})")
-        if not status.running:
-            console.print(facts)
-            console.print("start it with `pepsi db start` (any command needing it starts it)")
-            return EX_OK
-        dsn = EmbeddedServer(config.postgres.data_dir).uri()
-        assert dsn is not None
-    else:
-        facts.add_row("database", connect.Target(dsn, None).source)
-    facts.add_row("url", connect.redact(dsn))
-    with connect.connect(dsn, timeout=config.postgres.connect_timeout) as conn:
-        version = conn.execute(query("server_version")).fetchone()
-        facts.add_row("server", f"PostgreSQL {version[0] if version else '?'}")
-        check = schema.check(conn)
-        facts.add_row("schema", check.message())
+    facts.add_row("database", found.source)
+    if not found.running:
         console.print(facts)
-        if check.state is schema.SchemaState.CURRENT:
-            rows = conn.execute(query("workqueue_count_by_stage_status")).fetchall()
-            render_queue(console, rows)
+        console.print("start it with `pepsi db start` (any command needing it starts it)")
+        return EX_OK
+    facts.add_row("url", found.url or "")
+    facts.add_row("server", f"PostgreSQL {found.server_version or '?'}")
+    if found.schema is not None:
+        facts.add_row("schema", found.schema.message())
+    console.print(facts)
+    if found.queue is not None:
+        render_queue(console, found.queue)
     return EX_OK
 
 
-def render_queue(console: Console, rows: list[tuple[object, ...]]) -> None:
+def render_queue(console: Console, counts: Mapping[str, Mapping[str, int]]) -> None:
     from pepsi.terminal import table as make_table  # noqa: PLC0415
 
-    if not rows:
+    if not counts:
         console.print("queue: empty")
         return
     statuses = ("pending", "running", "paused", "failed", "timeout")
-    counts: dict[str, dict[str, int]] = {}
-    for stage, status, messages in rows:
-        counts.setdefault(str(stage), {})[str(status)] = int(str(messages))
     table = make_table("queue", "stage", *statuses)
     for stage, by_status in counts.items():
         table.add_row(stage, *(str(by_status.get(s, 0)) for s in statuses))

@@ -11,7 +11,7 @@ from pepsi.db import connect
 from pepsi.dispatch.coordinator import Dispatcher
 
 if TYPE_CHECKING:
-    from pepsi.cli import Context
+    from pepsi.commands import Context
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

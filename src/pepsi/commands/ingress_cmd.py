@@ -18,13 +18,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from pepsi.commands import summary
+from pepsi.commands import Context, summary
 from pepsi.durations import parse_duration
 from pepsi.errors import EX_OK
 from pepsi.publishing import InvalidMessage, OutgoingMessage
 
 if TYPE_CHECKING:
-    from pepsi.cli import Context
     from pepsi.publishing.client import Publisher
 
 JSON_FIELDS = {

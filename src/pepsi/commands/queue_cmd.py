@@ -20,27 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pepsi.commands import summary
-from pepsi.db import connect, schema
-from pepsi.db.queries import query
-from pepsi.errors import EX_OK, PepsiError
-
-if TYPE_CHECKING:
-    from pepsi.cli import Context
-
-REPAIRS = {
-    "resume": (("paused",), "queue_resume"),
-    "retry": (("failed", "timeout"), "queue_retry"),
-    "move": (("pending", "paused", "failed", "timeout", "running"), "queue_move"),
-    "delete": (("pending", "paused", "failed", "timeout", "running"), "queue_delete"),
-}
-
-
-class RepairRefused(PepsiError):
-    """A repair that cannot be done as asked; nothing was changed."""
+from pepsi.admin import queue
+from pepsi.admin.connection import open_current
+from pepsi.commands import Context, summary
+from pepsi.errors import EX_OK
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -90,13 +77,6 @@ def _selectors(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stage", help="only this stage")
 
 
-def _connect(ctx: Context) -> Any:
-    config = ctx.config()
-    conn = connect.connect(connect.resolve(config).dsn, timeout=config.postgres.connect_timeout)
-    schema.require_current(conn)
-    return conn
-
-
 def _emit(data: Any) -> None:
     json.dump(data, sys.stdout, default=_json_default, indent=2)
     sys.stdout.write("\n")
@@ -111,23 +91,11 @@ def _json_default(value: Any) -> Any:
 
 
 def run_status(args: argparse.Namespace, ctx: Context) -> int:
-    with _connect(ctx) as conn:
-        counts = conn.execute(query("queue_status_counts")).fetchall()
-        stages = sorted({str(r[0]) for r in counts})
-        heads = conn.execute(query("queue_status_heads"), {"stages": stages}).fetchall()
-        failures = conn.execute(query("queue_status_failures")).fetchall()
-    by_stage: dict[str, dict[str, Any]] = {s: {"stage": s} for s in stages}
-    for stage, status, n in counts:
-        by_stage[stage][status] = int(n)
-    for stage, oldest, next_retry in heads:
-        by_stage[stage]["oldest_pending_s"] = None if oldest is None else round(float(oldest), 1)
-        by_stage[stage]["next_retry"] = next_retry
+    with open_current(ctx.config()) as conn:
+        read = queue.status(conn)
     data = {
-        "stages": list(by_stage.values()),
-        "failures": [
-            {"stage": s, "status": st, "failure_class": c, "count": int(n)}
-            for s, st, c, n in failures
-        ],
+        "stages": [_stage_data(s) for s in read.stages],
+        "failures": [asdict(f) for f in read.failures],
     }
     if args.json:
         _emit(data)
@@ -155,18 +123,22 @@ def run_status(args: argparse.Namespace, ctx: Context) -> int:
     return EX_OK
 
 
+def _stage_data(stage: queue.StageStatus) -> dict[str, Any]:
+    oldest = stage.oldest_pending_s
+    return {
+        "stage": stage.stage,
+        **stage.counts,  # only the statuses present
+        "oldest_pending_s": None if oldest is None else round(oldest, 1),
+        "next_retry": stage.next_retry,
+    }
+
+
 def run_list(args: argparse.Namespace, ctx: Context) -> int:
     if args.limit < 1:
-        raise RepairRefused("--limit must be at least 1")
-    with _connect(ctx) as conn:
-        rows = conn.execute(
-            query("queue_list"),
-            {"stage": args.stage, "status": args.status, "sender_key": args.sender_key,
-             "limit": args.limit},
-        ).fetchall()  # fmt: skip
-    keys = ("id", "stage", "status", "arrived", "timeout", "sender_key", "message_id",
-            "last_error", "strikes")  # fmt: skip
-    items = [dict(zip(keys, row, strict=True)) for row in rows]
+        raise queue.QueueError("--limit must be at least 1")
+    where = queue.MessageFilter(stage=args.stage, status=args.status, sender_key=args.sender_key)
+    with open_current(ctx.config()) as conn:
+        items = [asdict(m) for m in queue.list_messages(conn, where, limit=args.limit)]
     if args.json:
         _emit(items)
         return EX_OK
@@ -183,15 +155,8 @@ def run_list(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def run_show(args: argparse.Namespace, ctx: Context) -> int:
-    with _connect(ctx) as conn:
-        row = conn.execute(query("queue_show"), {"id": args.id}).fetchone()
-    if row is None:
-        raise RepairRefused(f"no message {args.id} in the queue")
-    keys = ("id", "stage", "status", "arrived", "timeout", "expires", "message_id", "sender",
-            "recipients", "origin_user", "origin_peer", "sender_key", "header_from", "subject",
-            "content_type", "correlation_id", "properties", "state", "header_size",
-            "body_size", "header", "body")  # fmt: skip
-    item = dict(zip(keys, row, strict=True))
+    with open_current(ctx.config()) as conn:
+        item = asdict(queue.get_message(conn, args.id, with_body=args.body))
     if not args.body:
         item.pop("header")
         item.pop("body")
@@ -212,56 +177,37 @@ def run_show(args: argparse.Namespace, ctx: Context) -> int:
 
 def run_repair(args: argparse.Namespace, ctx: Context) -> int:
     name = args.repair
-    statuses, query_name = REPAIRS[name]
+    # The domain refuses this too; here it comes first, in the command line's words.
     if not args.ids and not args.all and not args.stage:
-        raise RepairRefused(f"say which messages: IDs, --stage STAGE or --all ({name} refused)")
-    config = ctx.config()
-    if name == "move" and args.to not in config.stages:
-        raise RepairRefused(f"no stage named {args.to!r}")
-    if args.stage and args.stage not in config.stages:
-        raise RepairRefused(f"no stage named {args.stage!r}")
-    with _connect(ctx) as conn, conn.transaction():
-        selected = conn.execute(
-            query("queue_select"),
-            {"ids": args.ids, "stage": args.stage,
-             "failure_class": getattr(args, "failure_class", None), "statuses": list(statuses)},
-        ).fetchall()  # fmt: skip
-        found = {int(r[0]) for r in selected}
-        missing = [i for i in args.ids if i not in found]
-        if missing:
-            raise RepairRefused(
-                f"{name}: no such message, or not in a state it applies to "
-                f"({'/'.join(statuses)}): {', '.join(map(str, missing))}"
-            )
-        running = [int(r[0]) for r in selected if r[1] == "running"]
-        allow_running = False
-        if running:
-            lock = conn.execute(query("dispatcher_lock_absent")).fetchone()
-            allow_running = bool(lock and lock[0])
-            if not allow_running:
-                raise RepairRefused(
-                    f"{name}: message(s) {', '.join(map(str, running[:10]))} are running and "
-                    "the dispatcher is up; stop it or wait"
-                )
-        ids = sorted(found)
-        if name == "delete" and not args.yes:
-            if not sys.stdin.isatty():
-                raise RepairRefused(f"delete {len(ids)} message(s)? add --yes to confirm")
-            answer = input(f"delete {len(ids)} message(s)? [y/N] ")
-            if answer.strip().lower() not in ("y", "yes"):
-                raise RepairRefused("nothing deleted")
-        done = conn.execute(
-            query(query_name),
-            {"ids": ids, "to": getattr(args, "to", None), "allow_running": allow_running},
-        ).fetchall()
-        if done and name != "delete":
-            conn.execute(query("workqueue_notify"))
-    changed = sorted(int(r[0]) for r in done)
+        raise queue.RepairRefused(
+            f"say which messages: IDs, --stage STAGE or --all ({name} refused)"
+        )
+    selection = queue.Selection(
+        ids=tuple(args.ids),
+        stage=args.stage,
+        failure_class=getattr(args, "failure_class", None),
+        every=args.all,
+    )
+    request = queue.RepairRequest(name, selection, to=getattr(args, "to", None))
+    stages = ctx.config().stages
+    queue.check(request, stages)  # before connecting, as the mistake is the command line's
+    confirm = _confirm_delete if name == "delete" and not args.yes else None
+    with open_current(ctx.config()) as conn:
+        done = queue.repair(conn, request, stages=stages, confirm=confirm)
+    changed = list(done.ids)
     if args.json:
         _emit({"action": name, "ids": changed})
     else:
         print(f"{name}: {len(changed)} message(s)" + (f" ({_ids(changed)})" if changed else ""))
     return EX_OK
+
+
+def _confirm_delete(plan: queue.RepairPlan) -> bool:
+    """Asked inside the repair's transaction, with the count it would delete."""
+    if not sys.stdin.isatty():
+        raise queue.RepairRefused(f"delete {plan.count} message(s)? add --yes to confirm")
+    answer = input(f"delete {plan.count} message(s)? [y/N] ")
+    return answer.strip().lower() in ("y", "yes")
 
 
 def _ids(ids: list[int]) -> str:

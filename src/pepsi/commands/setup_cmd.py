@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
-from pepsi.commands import summary
+from pepsi.commands import Context, summary
 from pepsi.db import connect, schema
 from pepsi.errors import EX_OK
-
-if TYPE_CHECKING:
-    from pepsi.cli import Context
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -18,36 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import psycopg
-
-from pepsi.commands import summary
-from pepsi.db import connect, schema
-from pepsi.db.queries import query
+from pepsi.admin import activity
+from pepsi.admin.top import RATED, Frame
+from pepsi.commands import Context, summary
 from pepsi.durations import format_duration, parse_duration
-from pepsi.errors import EX_OK, DatabaseUnavailable, UsageError
-from pepsi.top import (
-    RATED,
-    DispatchCounters,
-    Frame,
-    Sample,
-    StageCounters,
-    anchors,
-    counts_due,
-    frame,
-)
+from pepsi.errors import EX_OK, UsageError
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-    from pepsi.cli import Context
     from pepsi.config import Config
 
-WORKER_PREFIX = "pepsi-worker:"  # each worker's connection is named after its stage
 NO_RATE = "–"  # first frame, or a counter that was reset
 
 
@@ -86,9 +70,10 @@ def run_top(args: argparse.Namespace, ctx: Context) -> int:
         raise UsageError(f"--count must be at least 1, got {args.count}")
     config = ctx.config()
     stages = list(config.stages)
+    stats_interval = config.dispatch.stats_interval
     try:
-        with _connect(config) as conn:
-            frames = _frames(conn, stages, interval, args.count, config.dispatch.stats_interval)
+        with activity.open_top(config) as conn:
+            frames = activity.frames(conn, stages, interval, args.count, stats_interval)
             if args.json:
                 _print_json(frames, config)
             elif sys.stdout.isatty():
@@ -97,95 +82,7 @@ def run_top(args: argparse.Namespace, ctx: Context) -> int:
                 _print_frames(frames, config)
     except KeyboardInterrupt:
         return EX_OK  # Ctrl-C is how a live view is meant to end
-    except psycopg.Error as exc:
-        raise DatabaseUnavailable(f"reading the queue failed: {connect.one_line(exc)}") from None
     return EX_OK
-
-
-def _connect(config: Config) -> psycopg.Connection[tuple[object, ...]]:
-    target = connect.resolve(config)
-    conn = connect.connect(
-        target.dsn, timeout=config.postgres.connect_timeout, application_name="pepsi-top"
-    )
-    try:
-        schema.require_current(conn)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def _frames(
-    conn: psycopg.Connection[Any],
-    stages: list[str],
-    interval: float,
-    count: int | None,
-    stats_interval: float,
-) -> Iterator[Frame]:
-    seen: tuple[Sample, ...] = ()  # the samples at the last two flushes: the rate window
-    counted: Counted | None = None
-    deadline = time.monotonic()
-    shown = 0
-    while True:
-        if counted is None or counts_due(counted.at, counted.took, time.monotonic(), interval):
-            counted = count_queue(conn)
-        current = read_sample(conn, counted.counts, time.monotonic() - counted.at)
-        seen = anchors(seen, current)
-        yield frame(seen, current, stages, stats_interval)
-        shown += 1
-        if count is not None and shown >= count:
-            return
-        # Keep to the interval's grid, but never try to catch up after a slow read.
-        deadline = max(deadline + interval, time.monotonic())
-        time.sleep(max(0.0, deadline - time.monotonic()))
-
-
-@dataclass(frozen=True)
-class Counted:
-    counts: dict[str, dict[str, int]]  # stage -> status -> rows
-    at: float  # time.monotonic() when read
-    took: float  # seconds the count took
-
-
-def count_queue(conn: psycopg.Connection[Any]) -> Counted:
-    """Rows per stage and status: a scan of the queue, the one costly read."""
-    started = time.monotonic()
-    counts: dict[str, dict[str, int]] = {}
-    for stage, status, n in conn.execute(query("queue_status_counts")):
-        counts.setdefault(str(stage), {})[str(status)] = int(n)
-    return Counted(counts, started, time.monotonic() - started)
-
-
-def read_sample(
-    conn: psycopg.Connection[Any], counts: dict[str, dict[str, int]], counts_age: float = 0.0
-) -> Sample:
-    """One read of the rest of a frame (autocommit: each query its own snapshot)."""
-    stage_stats: dict[str, StageCounters] = {}
-    for stage, *values in conn.execute(query("top_stage_stats")):
-        processed, failed, finished, advanced, retries, strikes = map(int, values)
-        stage_stats[str(stage)] = StageCounters(
-            processed=processed, failed=failed, finished=finished,
-            advanced=advanced, retries=retries, strikes=strikes,
-        )  # fmt: skip
-    row = conn.execute(query("top_dispatch_stats")).fetchone()
-    assert row is not None  # one row even when the table is empty
-    now, claims, claimed, updated = row
-    dispatch = DispatchCounters(int(claims or 0), int(claimed or 0), updated)
-    workers: dict[str, int] = {}
-    for name, n in conn.execute(query("top_workers")):
-        stage = str(name).removeprefix(WORKER_PREFIX)
-        workers[stage] = workers.get(stage, 0) + int(n)
-    holder = conn.execute(query("dispatcher_lock_holder")).fetchone()  # reads pg_locks only
-    return Sample(
-        now=now,
-        counts=counts,
-        stage_stats=stage_stats,
-        dispatch=dispatch,
-        workers=workers,
-        dispatcher_pid=None if holder is None else int(holder[0]),
-        dispatcher_since=None if holder is None else holder[4],
-        counts_age=counts_age,
-    )
 
 
 def _print_json(frames: Iterator[Frame], config: Config) -> None:
@@ -241,7 +138,7 @@ def header(item: Frame) -> str:
         parts.append(f"last stats flush {when} ({format_duration(age)} ago)")
     if item.window is not None:
         parts.append(f"rates over {format_duration(item.window)}")
-    if item.counts_age >= 1.0:  # the queue is large: counted less often (see pepsi.top)
+    if item.counts_age >= 1.0:  # the queue is large: counted less often (see pepsi.admin.top)
         parts.append(f"queue counted {format_duration(item.counts_age)} ago")
     return " · ".join(parts)
 

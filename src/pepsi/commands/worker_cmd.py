@@ -12,7 +12,7 @@ from pepsi.worker import runtime
 from pepsi.worker.handlers import WorkerRefused
 
 if TYPE_CHECKING:
-    from pepsi.cli import Context
+    from pepsi.commands import Context
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

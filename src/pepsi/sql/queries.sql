@@ -15,6 +15,8 @@ SELECT to_regclass('pepsi.schema_version') IS NOT NULL AS installed,
        to_regnamespace('pepsi') IS NOT NULL AS has_schema;
 
 -- name: workqueue_count_by_stage_status
+-- Rows per stage and status, statuses by name (ORDER BY takes the text
+-- column): `pepsi db status`, `pepsi queue status`, `pepsi top`. A scan.
 SELECT stage, status::text AS status, count(*) AS messages
 FROM pepsi.workqueue
 GROUP BY stage, status
@@ -162,14 +164,11 @@ FROM pepsi.workqueue_claim_fair(
     %(stages)s::text[], %(caps)s::integer[], %(fifo)s::integer[], %(averages)s::float8[],
     %(starts)s::text[], %(lags)s::jsonb, %(max_senders)s);
 
--- name: queue_status_counts
-SELECT stage, status::text, count(*) FROM pepsi.workqueue GROUP BY 1, 2 ORDER BY 1, 2;
-
--- name: queue_status_heads
--- Per stage: the oldest pending row's age (one probe of the pending index) and
--- the next paused row's due time (one pass over the paused rows for all stages:
--- the paused index is by time, not stage, so a probe per stage would read them
--- all once per stage).
+-- name: workqueue_heads_by_stage
+-- `pepsi queue status`, per stage: the oldest pending row's age (one probe of
+-- the pending index) and the next paused row's due time (one pass over the
+-- paused rows for all stages: the paused index is by time, not stage, so a
+-- probe per stage would read them all once per stage).
 WITH paused AS (
     SELECT q.stage, min(q.timeout) AS next_retry FROM pepsi.workqueue q
     WHERE q.status = 'paused' AND q.timeout IS NOT NULL
@@ -183,12 +182,12 @@ SELECT s.stage,
 FROM unnest(%(stages)s::text[]) AS s(stage)
 LEFT JOIN paused p ON p.stage = s.stage;
 
--- name: queue_status_failures
+-- name: workqueue_count_failures_by_class
 SELECT stage, status::text, coalesce(state->>'failure_class', '?'), count(*)
 FROM pepsi.workqueue WHERE status IN ('failed', 'timeout')
 GROUP BY 1, 2, 3 ORDER BY 1, 2, 3;
 
--- name: queue_list
+-- name: workqueue_list
 SELECT workqueue_id, stage, status::text, arrived, timeout, sender_key, message_id,
        state->>'last_error', coalesce((state->>'strikes')::int, 0)
 FROM pepsi.workqueue
@@ -198,25 +197,29 @@ WHERE (%(stage)s::text IS NULL OR stage = %(stage)s)
 ORDER BY workqueue_id
 LIMIT %(limit)s;
 
--- name: queue_show
+-- name: workqueue_get
+-- One message with its body's sizes; the header and body only when asked for.
 SELECT w.workqueue_id, w.stage, w.status::text, w.arrived, w.timeout, w.expires, w.message_id,
        w.sender, w.recipients, w.origin_user, host(w.origin_peer), w.sender_key, w.header_from,
        w.subject, w.content_type, w.correlation_id, w.properties, w.state,
-       length(b.header), length(b.body), b.header, b.body
+       length(b.header), length(b.body),
+       CASE WHEN %(with_body)s THEN b.header END, CASE WHEN %(with_body)s THEN b.body END
 FROM pepsi.workqueue w LEFT JOIN pepsi.workqueue_body b USING (body_id)
 WHERE w.workqueue_id = %(id)s;
 
--- name: dispatcher_lock_absent
--- Held until the end of the repair's transaction: no dispatcher runs, and
--- none can start, while a repair touches running rows.
+-- name: dispatcher_lock_try_xact
+-- A repair's test that no dispatcher runs (admin/queue.py). Held until the end
+-- of the repair's transaction: no dispatcher runs, and none can start, while a
+-- repair touches running rows.
 SELECT pg_try_advisory_xact_lock(1885696115);
 
--- name: queue_resume
+-- name: workqueue_resume_paused
 UPDATE pepsi.workqueue SET status = 'pending', timeout = NULL
 WHERE status = 'paused' AND workqueue_id = ANY(%(ids)s::bigint[])
 RETURNING workqueue_id;
 
--- name: queue_retry
+-- name: workqueue_retry_failed
+-- Failed or timed out: pending again at the stage it failed at, counts reset.
 UPDATE pepsi.workqueue
 SET status = 'pending', timeout = NULL,
     stage = coalesce(state->>'failed_stage', stage),
@@ -225,17 +228,19 @@ SET status = 'pending', timeout = NULL,
 WHERE status IN ('failed', 'timeout') AND workqueue_id = ANY(%(ids)s::bigint[])
 RETURNING workqueue_id;
 
--- name: queue_move
+-- name: workqueue_move_unless_running
+-- Running rows only with allow_running: the repair holds the dispatcher's lock.
 UPDATE pepsi.workqueue SET stage = %(to)s, status = 'pending', timeout = NULL
 WHERE workqueue_id = ANY(%(ids)s::bigint[]) AND (status <> 'running' OR %(allow_running)s)
 RETURNING workqueue_id;
 
--- name: queue_delete
+-- name: workqueue_delete_unless_running
+-- Running rows only with allow_running, as workqueue_move_unless_running.
 DELETE FROM pepsi.workqueue
 WHERE workqueue_id = ANY(%(ids)s::bigint[]) AND (status <> 'running' OR %(allow_running)s)
 RETURNING workqueue_id;
 
--- name: queue_select
+-- name: workqueue_select_matching
 -- The ids a repair applies to: given ids, or every row matching the selectors.
 SELECT workqueue_id, status::text FROM pepsi.workqueue
 WHERE (cardinality(%(ids)s::bigint[]) = 0 OR workqueue_id = ANY(%(ids)s::bigint[]))
@@ -306,11 +311,11 @@ SHOW server_version;
 -- Concurrent installers serialise on this lock, held until the transaction ends.
 SELECT pg_advisory_xact_lock(hashtext('pepsi.schema'));
 
--- name: top_stage_stats
+-- name: stats_stage_all
 -- `pepsi top`: the cumulative counters it turns into rates (one row per stage).
 SELECT stage, processed, failed, finished, advanced, retries, strikes FROM pepsi.stage_stats;
 
--- name: top_dispatch_stats
+-- name: stats_dispatch_latest
 -- `pepsi top`: claim counters and the last flush, with the server's clock so the
 -- flush age does not depend on the client's; one row even before any flush.
 SELECT now(), d.claims, d.claimed, d.updated
@@ -319,7 +324,7 @@ LEFT JOIN LATERAL (
     SELECT claims, claimed, updated FROM pepsi.dispatch_stats ORDER BY updated DESC LIMIT 1
 ) d ON true;
 
--- name: top_workers
+-- name: activity_count_workers
 -- `pepsi top`: each worker process holds one connection named pepsi-worker:<stage>.
 SELECT application_name, count(*) FROM pg_stat_activity
 WHERE datname = current_database() AND application_name LIKE 'pepsi-worker:%'

@@ -1,8 +1,9 @@
 """`pepsi top`'s arithmetic: from successive reads to one frame of the view.
 
-Pure: no I/O and no rich, so the rates are tested without a database. The
-shell (`pepsi.commands.top_cmd`) reads a `Sample` per refresh and renders
-the `Frame` this module computes.
+Pure: no I/O and no rich, so the rates are tested without a database.
+`pepsi.admin.activity` reads a `Sample` per refresh and turns it into the
+`Frame` this module computes; `pepsi.commands.top_cmd` (and, later, the web
+console) renders it.
 
 Counts are read live at each refresh; rates cannot be. The dispatcher writes
 its counters every STATS_INTERVAL and when it goes idle, so a difference

@@ -1,0 +1,99 @@
+"""The failure bouncer: the dead-letter sink of stages without a BOUNCE_STAGE.
+
+Their failed and timed-out messages move to `[pepsi-failure-bouncer] SINK`:
+a stage (pending there, with `state.bounced_from`) or, by default, the table
+`pepsi.dead_letter`, where an operator finds the whole message. A service in
+the dispatcher's style: `run_once()` is one pass, `run()` repeats it every
+INTERVAL until stopped, riding out a database that comes and goes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from pepsi.config import Config
+from pepsi.db import connect, schema
+from pepsi.db.queries import query
+from pepsi.errors import DatabaseUnavailable
+
+log = logging.getLogger("pepsi.failure-bouncer")
+BATCH = 1000  # rows per statement: a large backlog moves in short transactions
+
+
+def bounce_once(
+    conn: psycopg.Connection[Any], stages: Sequence[str], sink: str | None, batch: int = BATCH
+) -> int:
+    """Move everything there is, `batch` rows at a time; return how many moved."""
+    total = 0
+    while True:
+        row = conn.execute(
+            query("workqueue_bounce_failed"),
+            {"stages": list(stages), "sink": sink, "max_rows": batch},
+        ).fetchone()
+        moved = int(row[0]) if row else 0
+        total += moved
+        if moved < batch:
+            return total
+
+
+@dataclass(frozen=True)
+class BouncerSettings:
+    stages: tuple[str, ...]  # whose failures move: no BOUNCE_STAGE, and not the sink itself
+    sink: str | None  # a stage, or None: the table pepsi.dead_letter
+    interval: float  # seconds between passes
+    batch: int = BATCH
+
+    @classmethod
+    def from_config(cls, config: Config) -> BouncerSettings:
+        sink = config.bouncer.sink
+        stages = (s.name for s in config.stages.values() if s.bounce_stage is None)
+        return cls(tuple(s for s in stages if s != sink), sink, config.bouncer.interval)
+
+    @property
+    def where(self) -> str:
+        return f"stage {self.sink}" if self.sink else "table pepsi.dead_letter"
+
+
+class Bouncer:
+    """One connection per pass, so a restarted server costs one pass, not the service."""
+
+    def __init__(self, settings: BouncerSettings, dsn: str, *, connect_timeout: float) -> None:
+        self.settings = settings
+        self.dsn = dsn
+        self.connect_timeout = connect_timeout
+
+    def check(self) -> None:
+        """At start: the database answers and has this build's schema (else its error)."""
+        with connect.connect(self.dsn, timeout=self.connect_timeout) as conn:
+            schema.require_current(conn)
+
+    def run_once(self) -> int:
+        """One pass: how many messages moved; DatabaseUnavailable if it could not run."""
+        try:
+            with connect.connect(self.dsn, timeout=self.connect_timeout) as conn:
+                moved = bounce_once(
+                    conn, self.settings.stages, self.settings.sink, self.settings.batch
+                )
+        except (DatabaseUnavailable, psycopg.OperationalError) as exc:
+            raise DatabaseUnavailable(str(exc)) from None
+        if moved:
+            log.warning("moved %d failed messages to %s", moved, self.settings.where)
+        return moved
+
+    def run(self, stop: threading.Event) -> None:
+        """A pass every interval until `stop` is set; a database outage only skips passes."""
+        while True:
+            try:
+                self.run_once()
+            except DatabaseUnavailable as exc:
+                log.warning(
+                    "database unavailable (%s); retrying in %.0fs", exc, self.settings.interval
+                )
+            if stop.wait(self.settings.interval):
+                return
