@@ -88,7 +88,7 @@ def test_external_program_stage(pipeline: Pipeline, tmp_path: Path) -> None:
 
 
 def test_second_dispatcher_is_refused(pipeline: Pipeline) -> None:
-    pipeline.configure("[stage-a]\nHANDLER = tests.stages:noop\n")
+    pipeline.configure("[stage-a]\nHANDLER = tests.stages:noop\n", LOCK_WAIT="1500ms")
     first = pipeline.start()
     started = time.monotonic()
     second = subprocess.run(
@@ -104,7 +104,7 @@ def test_second_dispatcher_is_refused(pipeline: Pipeline) -> None:
     assert second.returncode == 1
     assert "another dispatcher is running on this database (backend pid" in second.stderr
     assert "pepsi-dispatch" in second.stderr
-    assert waited >= 9
+    assert waited >= 1.5  # LOCK_WAIT
     assert first.proc.poll() is None  # the first one is untouched
     assert first.stop() == 0
 
@@ -320,3 +320,17 @@ def test_a_slow_stage_spreads_over_its_pool_with_the_default_queue_limit(
     assert set(pipeline.effects()) == {(i, "slow") for i in ids}
     pids = pipeline.scalar("SELECT count(DISTINCT pid) FROM test_effects")
     assert pids >= 3  # the default PARALLELISM of 4 is used, not one worker's queue
+
+
+def test_a_stage_defined_only_in_the_overlay_is_dispatched(pipeline: Pipeline) -> None:
+    pipeline.configure("[stage-a]\nHANDLER = tests.stages:noop\n")
+    pipeline.db.execute(
+        "INSERT INTO pepsi.config_override (section, key, value)"
+        " VALUES ('stage-extra', 'HANDLER', 'tests.stages:effect')"
+    )
+    ids = pipeline.publish("extra", count=5)  # the publisher reads the overlay too
+    dispatcher = pipeline.start()
+    assert "dispatching 2 stages: a, extra" in dispatcher.log
+    wait_until(lambda: pipeline.remaining() == 0, what="the overlay stage to drain")
+    assert effects_per_message(pipeline) == {(i, "extra"): 1 for i in ids}
+    assert dispatcher.stop() == 0

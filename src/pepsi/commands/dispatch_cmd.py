@@ -7,7 +7,8 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from pepsi.commands import summary
-from pepsi.db import connect
+from pepsi.config import Config, read_overlay, with_overlay
+from pepsi.db import connect, schema
 from pepsi.dispatch.coordinator import Dispatcher
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "serve",
         help="claim pending messages and run their stages until interrupted",
         description="Run the dispatcher until SIGINT/SIGTERM. Exactly one runs per "
-        "database (a second one waits ~10s for the lock, then exits 1). Exit 0 on a "
+        "database (a second one waits LOCK_WAIT, 10s, for the lock, then exits 1). Exit 0 on a "
         "clean stop, 1 on an error, 78 if the database schema is not this build's. "
         "With [pepsi-dispatch] METRICS_ADDRESS set it also serves Prometheus metrics "
         "at http://ADDRESS/metrics (docs/operations.md). Every VACUUM_AFTER (20000) "
@@ -31,6 +32,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_serve(args: argparse.Namespace, ctx: Context) -> int:
-    config = ctx.config()
-    target = connect.resolve(config)
-    return asyncio.run(Dispatcher(config, target.dsn).serve())
+    target = connect.resolve(ctx.config())
+    return asyncio.run(Dispatcher(_with_overlay(ctx.config(), target.dsn), target.dsn).serve())
+
+
+def _with_overlay(config: Config, dsn: str) -> Config:
+    """The file's configuration with the database overlay's stages (checked schema first)."""
+    timeout = config.postgres.connect_timeout
+    with connect.connect(dsn, timeout=timeout, application_name="pepsi-dispatch") as conn:
+        schema.require_current(conn)
+        return with_overlay(config, read_overlay(conn))

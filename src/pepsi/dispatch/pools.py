@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 PREFETCH_SECONDS = 0.05  # a worker's queue holds about this much work at most
 INITIAL_WINDOW = 4  # ids per worker until the stage's pace is known
@@ -128,7 +129,18 @@ def assign(
     return result
 
 
-def idle_to_stop(workers: Sequence[WorkerLoad], now: float, idle_timeout: float) -> list[int]:
+class Idling(Protocol):
+    """What idle retirement needs of a worker (a load, or the decisions' facts)."""
+
+    @property
+    def key(self) -> int: ...
+    @property
+    def inflight(self) -> int: ...
+    @property
+    def idle_since(self) -> float | None: ...
+
+
+def idle_to_stop(workers: Sequence[Idling], now: float, idle_timeout: float) -> list[int]:
     """Workers empty for at least `idle_timeout`."""
     return [
         w.key
@@ -137,7 +149,7 @@ def idle_to_stop(workers: Sequence[WorkerLoad], now: float, idle_timeout: float)
     ]
 
 
-def next_idle_deadline(workers: Sequence[WorkerLoad], idle_timeout: float) -> float | None:
+def next_idle_deadline(workers: Sequence[Idling], idle_timeout: float) -> float | None:
     """When the next idle worker is due to stop, if any is idle."""
     times = [
         w.idle_since + idle_timeout for w in workers if w.inflight == 0 and w.idle_since is not None

@@ -21,7 +21,14 @@ from pepsi.config import DispatchOptions
 from pepsi.db.queries import query
 
 log = logging.getLogger("pepsi.dispatch")
+
+MAX_STRIKES = 3  # R-8's delivery limit: the third crash or hang ends the message
 AConn = psycopg.AsyncConnection[tuple[Any, ...]]
+
+
+def strike_delays(first: float, max_strikes: int = MAX_STRIKES) -> list[float]:
+    """The pause after each strike but the last: STRIKE_DELAY, then twice as long …"""
+    return [first * 2**n for n in range(max_strikes - 1)]
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ class RowWriter:
         dropped; a batch whose write fails goes back to its queue.
         """
         soonest: float | None = None
-        delays = [self.options.strike_delay, 2 * self.options.strike_delay]
+        delays = strike_delays(self.options.strike_delay)
         while self.strikes:
             strike = self.strikes.pop(0)
             try:
@@ -78,16 +85,16 @@ class RowWriter:
                     await conn.execute(
                         query("workqueue_strike"),
                         {"id": strike.wid, "stage": strike.stage, "kind": strike.kind,
-                         "reason": strike.reason, "delays": delays},
+                         "reason": strike.reason, "delays": delays, "max_strikes": MAX_STRIKES},
                     )
                 ).fetchone()  # fmt: skip
             except psycopg.OperationalError:
                 self.strikes.insert(0, strike)
                 raise
             n = int(row[0]) if row else 0
-            if n >= 3:
+            if n >= MAX_STRIKES:
                 log.error(
-                    "stage %s: message %d %s three times: %s",
+                    "stage %s: message %d %s three times: %s",  # docs/failures.md
                     strike.stage,
                     strike.wid,
                     strike.kind,

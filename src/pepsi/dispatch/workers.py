@@ -1,10 +1,10 @@
 """One worker process as the dispatcher sees it: a thin asyncio shell.
 
 It writes ids to the child's stdin, reads `ready` and status lines from its
-stdout, and tells the coordinator what happened through three callbacks. The
-child's stderr is the dispatcher's, so a worker's log lines land in the same
-journal. Decisions (what to send, when to stop) belong to the coordinator and
-the pure pool module.
+stdout, and tells the pool supervisor what happened through four callbacks.
+The child's stderr is the dispatcher's, so a worker's log lines land in the
+same journal. Decisions (what to send, when to stop) belong to the supervisor
+and the pure `pools` and `decisions` modules.
 """
 
 from __future__ import annotations
@@ -18,28 +18,15 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
+from pepsi.dispatch.decisions import Exit, WorkerFacts
 from pepsi.dispatch.pools import WorkerLoad, room_for
 from pepsi.protocol import ProtocolError, StatusLine, encode_ids, is_ready, parse_status
 
 log = logging.getLogger("pepsi.dispatch")
 
-KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when stopping a child
 READ_CHUNK = 65536  # bytes read from a child's stdout at once
 MAX_LINE = 65536  # a longer status line is unreadable: the child is torn down
-
-
-@dataclass(frozen=True)
-class Exit:
-    """How a worker ended, for the coordinator."""
-
-    returncode: int | None
-    was_ready: bool
-    expected: bool  # the dispatcher asked it to stop
-    reason: str
-    unanswered: tuple[int, ...]  # ids written to it without a status line
-    last_words: str | None = None  # its last line on stderr (why it refused, say)
 
 
 class WorkerProcess:
@@ -56,6 +43,8 @@ class WorkerProcess:
         on_status: Callable[[WorkerProcess, int, StatusLine], None],
         on_answers: Callable[[WorkerProcess, float], None],
         on_exit: Callable[[WorkerProcess, Exit], None],
+        kill_grace: float,  # WORKER_KILL_GRACE
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.key = key
         self.stage = stage
@@ -69,7 +58,9 @@ class WorkerProcess:
         self.solo = False  # running one isolated suspect: takes nothing else
         self.garbled = False  # its answer for the head message was unreadable
         self.last_words: str | None = None
-        self.started_at = time.monotonic()
+        self.clock = clock
+        self.kill_grace = kill_grace  # seconds between SIGTERM and SIGKILL at shutdown
+        self.started_at = clock()
         self.idle_since: float | None = self.started_at
         self.head_since: float | None = None  # when the head id reached the head
         self._answer_seconds = 0.0  # of the answers in the chunk being read
@@ -86,6 +77,18 @@ class WorkerProcess:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
+
+    def facts(self) -> WorkerFacts:
+        return WorkerFacts(
+            self.key,
+            ready=self.ready,
+            stopping=self.stopping,
+            started_at=self.started_at,
+            inflight=len(self.inflight),
+            head_since=self.head_since,
+            idle_since=self.idle_since,
+            handled=self.handled,
+        )
 
     def load(self, window: int, max_messages: int) -> WorkerLoad:
         room = (
@@ -117,15 +120,14 @@ class WorkerProcess:
         if not ids:
             return
         if not self.inflight:
-            self.head_since = time.monotonic()
+            self.head_since = self.clock()
         self.inflight.extend(ids)
         self.idle_since = None
-        assert self._proc is not None
-        assert self._proc.stdin is not None
-        if self._proc.stdin.is_closing():
+        stdin = self._proc.stdin if self._proc is not None else None
+        if stdin is None or stdin.is_closing():
             return  # the reader will report the exit and these ids as unanswered
         with contextlib.suppress(ConnectionError):
-            self._proc.stdin.write(encode_ids(ids))
+            stdin.write(encode_ids(ids))
 
     def close_input(self) -> None:
         """Ask the child to finish: it exits when its stdin closes."""
@@ -150,7 +152,7 @@ class WorkerProcess:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
         try:
-            await asyncio.wait_for(proc.wait(), KILL_GRACE)
+            await asyncio.wait_for(proc.wait(), self.kill_grace)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
@@ -205,7 +207,7 @@ class WorkerProcess:
         elif is_ready(line):
             self.ready = True
             if self.inflight:  # MAX_RUNTIME counts from here, not from spawn
-                self.head_since = time.monotonic()
+                self.head_since = self.clock()
             self._on_ready(self)
         else:
             raise ProtocolError(f"expected 'ready', got {line[:80]!r}")
@@ -216,7 +218,7 @@ class WorkerProcess:
             raise ProtocolError(f"status line with no message outstanding: {line[:80]!r}")
         wid = self.inflight.popleft()
         self.handled += 1
-        now = time.monotonic()
+        now = self.clock()
         if self.head_since is not None:
             self._answer_seconds += now - self.head_since
         self._answers += 1
@@ -244,6 +246,9 @@ class WorkerProcess:
                 reason,
                 unanswered,
                 self.last_words,
+                solo=self.solo,
+                garbled=self.garbled,
+                timed_out=self.timed_out,
             ),
         )
 

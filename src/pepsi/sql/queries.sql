@@ -144,7 +144,8 @@ SELECT pepsi.publish_dedup_sweep(%(window)s, %(max_rows)s);
 
 -- name: workqueue_strike
 -- W-6: the head message of a worker that crashed or hung gets a strike.
-SELECT pepsi.workqueue_strike(%(id)s, %(stage)s, %(kind)s, %(reason)s, %(delays)s::float8[]);
+SELECT pepsi.workqueue_strike(%(id)s, %(stage)s, %(kind)s, %(reason)s, %(delays)s::float8[],
+                              %(max_strikes)s);
 
 -- name: workqueue_pause_if_running
 -- W-4: a message whose worker lost the database pauses for a while.

@@ -475,10 +475,11 @@ $$;
 -- The n-th strike pauses the row for delays[n] seconds; the third (the
 -- delivery limit, R-8) ends it: failed after a crash, timeout after a hang,
 -- with state.failure_class crashed or timed-out. Returns the new strike
--- count, or 0 when the row is no longer running at that stage.
+-- count, or 0 when the row is no longer running at that stage. The limit is
+-- the dispatcher's (MAX_STRIKES), passed with every call: one source.
 CREATE FUNCTION pepsi.workqueue_strike(
     id bigint, at_stage text, kind text, reason text, delays double precision[],
-    max_strikes integer DEFAULT 3
+    max_strikes integer
 ) RETURNS integer
 LANGUAGE sql AS $$
     WITH cur AS (

@@ -1,0 +1,111 @@
+"""The in-flight ledger: every claimed row is settled here, in one call.
+
+A claimed row ends in one of four ways as far as the dispatcher is
+concerned: its worker answers it, it goes back to pending without running
+(requeued), its worker dies or hangs holding it (a strike), or its worker
+lost the database (74: paused). Each way touches three books at once: the
+row itself (queued in the row writer for the loop to flush), the statistics
+(P-9) and the sender's fair-share charge (P-5). Keeping the three together
+here is what lets every caller settle a row with one call and no book be
+forgotten.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from pepsi.dispatch.fairness import FairShare
+from pepsi.dispatch.rows import RowWriter
+from pepsi.dispatch.stats import Stats
+from pepsi.errors import EX_IOERR, EX_TEMPFAIL
+from pepsi.protocol import StatusLine
+
+log = logging.getLogger("pepsi.dispatch")
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """One row a claim took."""
+
+    wid: int
+    stage: str
+    sender: str | None = None  # known to the fair claim only
+
+
+class InFlight:
+    def __init__(
+        self, rows: RowWriter, stats: Stats, fair: FairShare | None, clock: Callable[[], float]
+    ) -> None:
+        self.rows = rows
+        self.stats = stats
+        self.fair = fair
+        self.clock = clock
+        self.claimed_total = 0
+        self.answered_total = 0  # status lines: the stage passes, for the vacuum's pace
+
+    def claimed(self, rows: Iterable[Claimed]) -> None:
+        """A claim took these rows: counted, and each sender debited (P-5)."""
+        n = 0
+        for row in rows:
+            n += 1
+            if self.fair is not None and row.sender is not None:
+                self.fair.ledger(row.stage).claim(row.wid, row.sender)
+        if n:
+            # Only claims that took rows are counted: an idle poll tick must not
+            # leave a delta behind, or every tick would be followed by a flush.
+            self.claimed_total += n
+            self.stats.count("claims")
+            self.stats.count("claimed", n)
+
+    def requeue(self, stage: str, ids: Iterable[int]) -> None:
+        """Back to pending without having run: the sender's debit is refunded."""
+        ids = list(ids)
+        if not ids:
+            return
+        self.rows.requeue(stage, ids)
+        self.stats.stage(stage, "requeued", len(ids))
+        if self.fair is not None:
+            ledger = self.fair.ledger(stage)
+            for wid in ids:
+                ledger.refund(wid)
+
+    def answered(self, stage: str, wid: int, status: StatusLine) -> bool:
+        """A worker's status line for `wid`; True if it said 75 (W-5: back-pressure)."""
+        self.answered_total += 1
+        if self.fair is not None:
+            micros = sum(p.micros for p in status.report) if status.report else None
+            self.fair.ledger(stage).report(wid, None if micros is None else micros / 1_000_000)
+        self.stats.count("stages_executed")
+        if status.status not in (EX_IOERR, EX_TEMPFAIL):  # those were not processed
+            self.stats.passes(stage, status.ok, status.report)
+        if status.status == EX_IOERR:  # W-4: the worker lost the database
+            self.rows.pause_db(stage, wid, self.clock())
+        elif status.status == EX_TEMPFAIL:  # W-5: connection limit exhausted
+            self.requeue(stage, [wid])
+            return True
+        elif not status.ok:
+            log.info("stage %s: message %d ended with status %d", stage, wid, status.status)
+        return False
+
+    def struck(self, stage: str, wid: int, kind: str, reason: str, max_runtime: float) -> None:
+        """Its worker crashed or hung holding it (W-6): a strike, and the charge for it.
+
+        A hung message used its worker for MAX_RUNTIME; a crashed one keeps
+        the debit it was claimed with.
+        """
+        if self.fair is not None:
+            ledger = self.fair.ledger(stage)
+            if kind == "timed-out":
+                ledger.timed_out(wid, max_runtime)
+            else:
+                ledger.report(wid, None)
+        self.rows.strike(stage, wid, kind, reason)
+        self.stats.stage(stage, "strikes")
+        if kind == "timed-out":
+            self.stats.stage(stage, "timed_out")
+
+    def held(self) -> list[int]:
+        """Rows still running that the row writer will settle."""
+        return self.rows.held()

@@ -1,0 +1,51 @@
+"""The listener: LISTEN on `workqueue`, one wakeup per notification burst (P-3).
+
+It runs on a connection of its own for the dispatcher's whole life. The
+payload is ignored: a notification only says "look". A (re)connection wakes
+the loop too, since notifications sent while it was away are lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import psycopg
+
+from pepsi.db.connect import one_line
+from pepsi.db.queries import query
+from pepsi.dispatch.session import RECONNECT_FIRST, SessionOptions, backoff, connect
+
+log = logging.getLogger("pepsi.dispatch")
+
+
+class Listener:
+    def __init__(self, options: SessionOptions, wake: Callable[[str], None]) -> None:
+        self.options = options
+        self.wake = wake
+        self.listening = False  # since the last connection error
+
+    async def run(self) -> None:
+        """Listen until cancelled, reconnecting with backoff."""
+        delay = RECONNECT_FIRST
+        while True:
+            try:
+                await self.run_once()
+            except psycopg.OperationalError as exc:
+                if self.listening:  # it was up: the backoff starts again
+                    self.listening, delay = False, RECONNECT_FIRST
+                log.warning("listener: %s; reconnecting in %.0fs", one_line(exc), delay)
+                await asyncio.sleep(delay)
+                delay = backoff(delay, self.options.reconnect_max)
+
+    async def run_once(self) -> None:
+        """One connection's life: wake on connecting and on every notification."""
+        options = self.options
+        conn = await connect(options.dsn, "pepsi-dispatch-listen", options.connect_timeout)
+        async with conn:
+            await conn.execute(query("workqueue_listen"))
+            self.listening = True
+            self.wake("notify")  # a (re)connection may have missed notifications
+            async for _ in conn.notifies():
+                self.wake("notify")

@@ -1,0 +1,357 @@
+"""The pool supervisor: every stage's elastic pool of worker processes (P-6, W-5…W-7).
+
+It says how many ids each stage can take, packs claimed ids onto workers
+(starting one when the pool may grow), hands suspects to workers one at a
+time, tends the pools (hung, idle, spent and surplus workers) and turns what
+workers report into ledger entries. What to do is decided by the pure
+`pools`, `backpressure` and `decisions` modules; this class only carries it
+out on processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pepsi.config import Config, StageConfig
+from pepsi.dispatch import backpressure, decisions, pools
+from pepsi.dispatch.ledger import Claimed, InFlight
+from pepsi.dispatch.stats import Stats
+from pepsi.dispatch.workers import WorkerProcess, resolve_program
+from pepsi.protocol import StatusLine
+
+log = logging.getLogger("pepsi.dispatch")
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    dsn: str
+    config_file: Path | None  # [pepsi-dispatch] CONFIG_FILE: passed to external programs
+    config_path: Path | None  # the file the dispatcher read: the unified program reads it too
+    idle_timeout: float  # WORKER_IDLE_TIMEOUT
+    ready_timeout: float  # WORKER_READY_TIMEOUT
+    stop_timeout: float  # WORKER_STOP_TIMEOUT
+    kill_grace: float  # WORKER_KILL_GRACE
+    start_cooldown: float  # START_COOLDOWN
+    tempfail_window: float  # TEMPFAIL_WINDOW
+
+    @classmethod
+    def from_config(cls, config: Config, dsn: str) -> PoolOptions:
+        d = config.dispatch
+        return cls(
+            dsn,
+            d.config_file,
+            config.path,
+            d.worker_idle_timeout,
+            d.worker_ready_timeout,
+            d.worker_stop_timeout,
+            d.worker_kill_grace,
+            d.start_cooldown,
+            d.tempfail_window,
+        )
+
+
+@dataclass
+class StagePool:
+    config: StageConfig
+    workers: dict[int, WorkerProcess] = field(default_factory=dict)
+    cooldown_until: float = 0.0
+    # Claimed ids whose worker died with several of them in flight: which one
+    # killed it is unknown, so each runs alone on an empty worker (W-6).
+    isolate: deque[int] = field(default_factory=deque)
+    pace: pools.Pace = field(default_factory=pools.Pace)
+
+    def loads(self) -> list[pools.WorkerLoad]:
+        """Loads of every live worker: a stopping one still counts toward PARALLELISM."""
+        window, budget = self.window(), self.config.max_messages
+        return [w.load(window, budget) for w in self.workers.values()]
+
+    def facts(self) -> list[decisions.WorkerFacts]:
+        return [w.facts() for w in self.workers.values()]
+
+    def window(self) -> int:
+        return self.pace.window(self.config.queue_limit)
+
+    def limit(self, cap: int | None) -> int:
+        return pools.worker_limit(self.config.parallelism, cap)
+
+    def rules(self, cap: int | None, options: PoolOptions) -> decisions.PoolRules:
+        return decisions.PoolRules(
+            limit=self.limit(cap),
+            max_runtime=self.config.max_runtime,
+            max_messages=self.config.max_messages,
+            ready_timeout=options.ready_timeout,
+            idle_timeout=options.idle_timeout,
+        )
+
+    def free(self, now: float, cap: int | None) -> int:
+        if now < self.cooldown_until:
+            return 0
+        free = pools.free_capacity(self.loads(), self.limit(cap), self.window())
+        return max(0, free - len(self.isolate))
+
+
+def worker_argv(stage: StageConfig, options: PoolOptions) -> list[str]:
+    """`PROGRAM [-c FILE] worker`; FileNotFoundError if PROGRAM is not on PATH."""
+    if stage.handler is not None:
+        # The unified program; it needs the configuration to find the handler.
+        path = options.config_file or options.config_path
+        conf = ["-c", str(path)] if path else []
+        return [sys.executable, "-m", "pepsi", *conf, "worker"]
+    assert stage.program is not None
+    conf = ["-c", str(options.config_file)] if options.config_file else []
+    return [resolve_program(stage.program), *conf, "worker"]
+
+
+class PoolSupervisor:
+    def __init__(
+        self,
+        config: Config,
+        options: PoolOptions,
+        ledger: InFlight,
+        stats: Stats,
+        *,
+        wake: Callable[[str], None],
+        clock: Callable[[], float],
+    ) -> None:
+        self.options = options
+        self.ledger = ledger
+        self.stats = stats
+        self.wake = wake
+        self.clock = clock
+        self.pools = {name: StagePool(stage) for name, stage in config.stages.items()}
+        self.caps: dict[str, backpressure.Cap] = {}
+        self.tempfail_from: str | None = None  # a stage whose worker said 75 this cycle
+        self.next_key = 0
+        self._reaping: set[asyncio.Task[None]] = set()
+
+    # ---- capacity and feeding -------------------------------------------------
+
+    def cap(self, stage: str, now: float) -> int | None:
+        return backpressure.limit_for(self.caps, stage, now)
+
+    def capacities(self) -> dict[str, int]:
+        """Ids each stage can take now (P-6): room in its workers, a worker it may start."""
+        now = self.clock()
+        self.caps = backpressure.active(self.caps, now)
+        return {name: pool.free(now, self.cap(name, now)) for name, pool in self.pools.items()}
+
+    async def feed(self, claimed: Sequence[Claimed]) -> None:
+        """Pack claimed ids onto the busiest workers with room, then a new one."""
+        by_stage: dict[str, list[int]] = {}
+        for row in claimed:
+            by_stage.setdefault(row.stage, []).append(row.wid)
+        for stage, ids in by_stage.items():
+            await self._feed_stage(self.pools[stage], ids)
+
+    async def _feed_stage(self, pool: StagePool, ids: list[int]) -> None:
+        stage = pool.config.name
+        plan = pools.assign(
+            ids, pool.loads(), pool.limit(self.cap(stage, self.clock())), pool.window()
+        )
+        if plan.leftover:  # capacity shrank while the claim ran (a worker died)
+            self.ledger.requeue(stage, plan.leftover)
+        for key, batch in plan.to_existing.items():
+            pool.workers[key].send(batch)
+        for batch in plan.to_new:
+            await self._start_worker(pool, batch)
+
+    async def isolate(self) -> None:
+        """Hand each held suspect, alone, to an empty worker (or a new one) (W-6)."""
+        now = self.clock()
+        for name, pool in self.pools.items():
+            if not pool.isolate or now < pool.cooldown_until:
+                continue
+            can_start = bool(pools.startable(pool.loads(), pool.limit(self.cap(name, now))))
+            plan = decisions.isolate(list(pool.isolate), pool.facts(), can_start)
+            for key, wid in plan.to_existing:
+                pool.isolate.popleft()
+                pool.workers[key].solo = True
+                pool.workers[key].send([wid])
+            if plan.to_new is not None:
+                pool.isolate.popleft()
+                worker = await self._start_worker(pool, [plan.to_new])
+                if worker is not None:
+                    worker.solo = True
+
+    async def _start_worker(self, pool: StagePool, ids: Sequence[int]) -> WorkerProcess | None:
+        stage = pool.config
+        self.next_key += 1
+        try:
+            argv = worker_argv(stage, self.options)
+        except FileNotFoundError as exc:
+            log.error("stage %s: cannot start its worker: %s", stage.name, exc)
+            self._cool_down(pool)
+            self.ledger.requeue(stage.name, ids)
+            return None
+        env = {
+            **os.environ,
+            "PEPSI_STAGE": stage.name,
+            "PEPSI_DSN": self.options.dsn,
+            "PEPSI_NEXT": stage.next or "",
+            # libpq's default application_name: a program's connections show as its
+            # stage's in pg_stat_activity and in `pepsi top` without it doing anything
+            "PGAPPNAME": f"pepsi-worker:{stage.name}",
+        }
+        worker = WorkerProcess(
+            self.next_key,
+            stage.name,
+            argv,
+            env,
+            on_ready=self.on_ready,
+            on_status=self.on_status,
+            on_answers=self.on_answers,
+            on_exit=self.on_exit,
+            clock=self.clock,
+            kill_grace=self.options.kill_grace,
+        )
+        try:
+            await worker.start(ids)
+        except OSError as exc:
+            log.error("stage %s: cannot start %s: %s", stage.name, argv[0], exc)
+            self._cool_down(pool)
+            self.ledger.requeue(stage.name, ids)
+            return None
+        pool.workers[worker.key] = worker
+        self.stats.count("workers_started")
+        log.debug("stage %s: started worker pid %s", stage.name, worker.pid)
+        return worker
+
+    def _cool_down(self, pool: StagePool) -> None:
+        pool.cooldown_until = self.clock() + self.options.start_cooldown
+
+    # ---- tending ----------------------------------------------------------------
+
+    def tend(self) -> None:
+        """Back-pressure from the last cycle; kill hung workers; stop idle, spent, surplus."""
+        if self.tempfail_from is not None:
+            self._tempfail(self.tempfail_from)
+            self.tempfail_from = None
+        now = self.clock()
+        for name, pool in self.pools.items():
+            rules = pool.rules(self.cap(name, now), self.options)
+            for action in decisions.tend(pool.facts(), rules, now):
+                worker = pool.workers[action.key]
+                if isinstance(action, decisions.Kill):
+                    worker.timed_out = worker.timed_out or action.timed_out
+                    worker.kill(action.reason)
+                else:
+                    worker.close_input()
+                    task = asyncio.get_running_loop().create_task(self._reap(worker))
+                    self._reaping.add(task)
+                    task.add_done_callback(self._reaping.discard)
+
+    async def _reap(self, worker: WorkerProcess) -> None:
+        """A worker asked to finish gets WORKER_STOP_TIMEOUT, then is killed."""
+        try:
+            await asyncio.wait_for(worker.wait_closed(), self.options.stop_timeout)
+        except TimeoutError:
+            worker.kill("did not stop when asked", expected=True)
+
+    def _tempfail(self, stage: str) -> None:
+        now = self.clock()
+        running = {name: len(pool.workers) for name, pool in self.pools.items()}
+        parallelism = {name: pool.config.parallelism for name, pool in self.pools.items()}
+        window = self.options.tempfail_window
+        self.caps, halved = backpressure.on_tempfail(
+            self.caps, running, parallelism, now=now, window=window
+        )
+        self.stats.count("backpressure_events")
+        if halved is not None:
+            log.warning(
+                "stage %s: worker out of database connections (75); stage %s limited to %d "
+                "workers for %.0fs", stage, halved, self.caps[halved].workers, window,
+            )  # fmt: skip
+
+    def deadlines(self) -> list[float]:
+        """When tending or a cooled-down stage may next have something to do."""
+        now = self.clock()
+        times: list[float] = []
+        for name, pool in self.pools.items():
+            times += decisions.deadlines(
+                pool.facts(), pool.rules(self.cap(name, now), self.options)
+            )
+            if pool.cooldown_until > now:
+                times.append(pool.cooldown_until)
+        return times
+
+    def idle(self) -> bool:
+        """No worker holds a message: the pipeline has gone idle (P-9)."""
+        return not any(w.inflight for p in self.pools.values() for w in p.workers.values())
+
+    def held(self) -> list[int]:
+        """Claimed ids a worker holds or that wait to run alone."""
+        return [
+            wid
+            for pool in self.pools.values()
+            for ids in (*(w.inflight for w in pool.workers.values()), pool.isolate)
+            for wid in ids
+        ]
+
+    async def shutdown(self) -> None:
+        """Stop every worker (SIGTERM, then SIGKILL); what they held goes back."""
+        workers = [w for pool in self.pools.values() for w in pool.workers.values()]
+        await asyncio.gather(*(w.terminate() for w in workers), return_exceptions=True)
+        await asyncio.gather(*(w.wait_closed() for w in workers), return_exceptions=True)
+        for name, pool in self.pools.items():
+            self.ledger.requeue(name, list(pool.isolate))
+            pool.isolate.clear()
+
+    # ---- events from workers ----------------------------------------------------
+
+    def on_ready(self, worker: WorkerProcess) -> None:
+        log.debug("stage %s: worker pid %s ready", worker.stage, worker.pid)
+        self.wake("worker")  # the stage may start its next worker
+
+    def on_status(self, worker: WorkerProcess, wid: int, status: StatusLine) -> None:
+        if status.report_error:
+            log.warning(
+                "stage %s: worker pid %s: %s", worker.stage, worker.pid, status.report_error
+            )
+        if self.ledger.answered(worker.stage, wid, status):
+            self.tempfail_from = worker.stage  # one halving per cycle, not per id
+        self.wake("worker")
+
+    def on_answers(self, worker: WorkerProcess, seconds_each: float) -> None:
+        """A read of its answers: the stage's pace, which sizes its window (P-6)."""
+        self.pools[worker.stage].pace.observe(seconds_each)
+
+    def on_exit(self, worker: WorkerProcess, exit_: decisions.Exit) -> None:
+        pool = self.pools[worker.stage]
+        pool.workers.pop(worker.key, None)
+        self.stats.count("workers_retired" if exit_.expected else "workers_crashed")
+        stage, pid = worker.stage, worker.pid
+        match decisions.on_exit(exit_):
+            case decisions.Retired(requeue):
+                self.ledger.requeue(stage, requeue)
+                log.debug("stage %s: worker pid %s stopped", stage, pid)
+            case decisions.FailedStart(requeue, cause):
+                self.ledger.requeue(stage, requeue)
+                log.error(
+                    "stage %s: worker pid %s died before ready: %s; %d messages requeued, "
+                    "retrying in %.0fs", stage, pid, cause, len(requeue),
+                    self.options.start_cooldown,
+                )  # fmt: skip
+                self._cool_down(pool)
+            case decisions.Struck(wid, kind, requeue):
+                reason = f"worker {exit_.reason}"
+                self.ledger.struck(stage, wid, kind, reason, pool.config.max_runtime)
+                self.ledger.requeue(stage, requeue)
+                log.error(
+                    "stage %s: worker pid %s %s holding message %d", stage, pid, exit_.reason, wid
+                )
+            case decisions.Isolate(ids):
+                pool.isolate.extend(ids)
+                log.error(
+                    "stage %s: worker pid %s %s holding %d messages; running each alone",
+                    stage, pid, exit_.reason, len(ids),
+                )  # fmt: skip
+            case decisions.Lost():
+                log.warning("stage %s: worker pid %s %s", stage, pid, exit_.reason)
+        self.wake("worker")

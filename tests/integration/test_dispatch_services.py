@@ -1,0 +1,248 @@
+"""The dispatcher's database services in-process against a real PostgreSQL: the
+session's lock and orphan reset, the claimer (FIFO and fair), the sweeper, the
+stats flusher and the row writer's strikes. Each `run_once` is driven directly,
+with an injected clock where timing matters; no dispatcher or worker process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg
+import pytest
+
+from pepsi.config import DispatchOptions, load_config
+from pepsi.dispatch.claimer import Claimer
+from pepsi.dispatch.coordinator import Dispatcher
+from pepsi.dispatch.fairness import FairShare
+from pepsi.dispatch.flusher import StatsFlusher
+from pepsi.dispatch.ledger import Claimed
+from pepsi.dispatch.rows import MAX_STRIKES, RowWriter
+from pepsi.dispatch.session import AlreadyRunning, Session, SessionOptions, connect
+from pepsi.dispatch.stats import Stats
+from pepsi.dispatch.sweeper import Sweeper, SweepOptions
+
+REPO = Path(__file__).resolve().parents[2]
+Conn = psycopg.Connection[tuple[Any, ...]]
+AConn = psycopg.AsyncConnection[tuple[Any, ...]]
+T = TypeVar("T")
+
+
+def run(dsn: str, body: Callable[[AConn], Awaitable[T]]) -> T:
+    async def main() -> T:
+        async with await connect(dsn, "pepsi-test", 10.0) as conn:
+            return await body(conn)
+
+    return asyncio.run(main())
+
+
+def insert(conn: Conn, stage: str, senders: list[str], status: str = "pending") -> list[int]:
+    rows = conn.execute(
+        "INSERT INTO pepsi.workqueue (stage, origin_user, status)"
+        " SELECT %s, u, %s::pepsi.workqueue_status"
+        " FROM unnest(%s::text[]) WITH ORDINALITY AS t(u, n) ORDER BY n"
+        " RETURNING workqueue_id",
+        (stage, status, senders),
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def statuses(conn: Conn) -> dict[int, str]:
+    rows = conn.execute("SELECT workqueue_id, status::text FROM pepsi.workqueue").fetchall()
+    return {int(i): str(s) for i, s in rows}
+
+
+def _options(dsn: str, lock_wait: float = 0.3) -> SessionOptions:
+    return SessionOptions(dsn, connect_timeout=5.0, lock_wait=lock_wait, reconnect_max=1.0)
+
+
+# ---- session ------------------------------------------------------------------------
+
+
+def test_a_second_session_gives_up_after_lock_wait_naming_the_holder(dsn: str) -> None:
+    async def main() -> tuple[str, float]:
+        first = Session(_options(dsn), lambda: False, time.monotonic)
+        await first.open()
+        second = Session(_options(dsn, lock_wait=0.3), lambda: False, time.monotonic)
+        started = time.monotonic()
+        try:
+            with pytest.raises(AlreadyRunning) as refused:
+                await second.open()
+            return str(refused.value), time.monotonic() - started
+        finally:
+            await first.close()
+
+    message, waited = asyncio.run(main())
+    assert "another dispatcher is running on this database (backend pid" in message
+    assert "pepsi-dispatch" in message
+    assert 0.3 <= waited < 5
+
+
+def test_the_lock_is_free_again_once_its_session_closes(dsn: str) -> None:
+    async def main() -> None:
+        first = Session(_options(dsn), lambda: False, time.monotonic)
+        await first.open()
+        await first.close()
+        second = Session(_options(dsn), lambda: False, time.monotonic)
+        await second.open()
+        await second.close()
+
+    asyncio.run(main())
+
+
+def test_orphans_go_back_to_pending_held_rows_stay_running(dsn: str, conn: Conn) -> None:
+    held, orphans = insert(conn, "s", ["a", "b"], "running"), insert(conn, "s", ["c"], "running")
+
+    async def main() -> None:
+        session = Session(_options(dsn), lambda: False, time.monotonic)
+        await session.open()
+        try:
+            await session.reset_orphans(held)
+        finally:
+            await session.close()
+
+    asyncio.run(main())
+    now = statuses(conn)
+    assert [now[i] for i in held] == ["running", "running"]
+    assert [now[i] for i in orphans] == ["pending"]
+
+
+# ---- claimer --------------------------------------------------------------------------
+
+
+def test_the_fifo_claim_takes_each_stages_oldest_within_its_capacity(dsn: str, conn: Conn) -> None:
+    a = insert(conn, "a", ["x"] * 5)
+    b = insert(conn, "b", ["x"] * 3)
+    claimer = Claimer(None)
+    rows = run(dsn, lambda c: claimer.run_once(c, {"a": 2, "b": 10, "idle": 0}))
+    assert rows == [Claimed(a[0], "a"), Claimed(a[1], "a"), *(Claimed(i, "b") for i in b)]
+    assert claimer.statements == 1
+    now = statuses(conn)
+    assert sorted(i for i, s in now.items() if s == "running") == sorted([*a[:2], *b])
+
+
+def test_no_capacity_runs_no_statement(dsn: str, conn: Conn) -> None:
+    insert(conn, "a", ["x"])
+    claimer = Claimer(None)
+    assert run(dsn, lambda c: claimer.run_once(c, {"a": 0})) == []
+    assert claimer.statements == 0
+
+
+def test_the_fair_claim_interleaves_senders_and_names_them(dsn: str, conn: Conn) -> None:
+    greedy = insert(conn, "s", ["greedy"] * 20)
+    polite = insert(conn, "s", ["polite"] * 2)
+    fair = FairShare(60.0, 0, time.monotonic)
+    rows = run(dsn, lambda c: Claimer(fair).run_once(c, {"s": 4}))
+    taken = {row.wid for row in rows}
+    assert set(polite) <= taken  # the small sender is not stuck behind the burst
+    assert len(taken & set(greedy)) == 2
+    assert {row.sender for row in rows} == {"user:greedy", "user:polite"}  # origin user
+    assert "s" in fair.window
+
+
+# ---- sweeper ----------------------------------------------------------------------------
+
+
+def test_the_sweeper_resumes_due_rows_and_learns_when_the_next_is_due(dsn: str, conn: Conn) -> None:
+    due = insert(conn, "s", ["x", "y"], "paused")
+    later = insert(conn, "s", ["z"], "paused")
+    conn.execute(
+        "UPDATE pepsi.workqueue SET timeout = now() - interval '1s' WHERE workqueue_id = ANY(%s)",
+        (due,),
+    )
+    conn.execute(
+        "UPDATE pepsi.workqueue SET timeout = now() + interval '30s' WHERE workqueue_id = ANY(%s)",
+        (later,),
+    )
+    clock = [100.0]
+    stats = Stats()
+    sweeper = Sweeper(SweepOptions(5.0, 60.0, 3600.0, ()), stats, lambda: clock[0])
+    run(dsn, sweeper.run_once)
+    now = statuses(conn)
+    assert [now[i] for i in due] == ["pending", "pending"]
+    assert now[later[0]] == "paused"
+    assert sweeper.next_poll == 105.0
+    assert sweeper.next_due is not None
+    assert 125.0 < sweeper.next_due <= 130.0
+    assert stats.delta.dispatch["paused_resumed"] == 2
+    assert sweeper.next_housekeeping == 160.0
+
+
+def test_nothing_is_swept_before_it_is_due(dsn: str, conn: Conn) -> None:
+    due = insert(conn, "s", ["x"], "paused")
+    conn.execute("UPDATE pepsi.workqueue SET timeout = now() - interval '1s'")
+    sweeper = Sweeper(SweepOptions(5.0, 60.0, 3600.0, ()), Stats(), lambda: 100.0)
+    sweeper.next_poll, sweeper.next_housekeeping = 101.0, 101.0
+    run(dsn, sweeper.run_once)
+    assert statuses(conn)[due[0]] == "paused"
+
+
+# ---- stats flusher and row writer ---------------------------------------------------------
+
+
+def test_one_flush_writes_the_deltas_and_an_empty_one_writes_nothing(dsn: str, conn: Conn) -> None:
+    stats = Stats()
+    flusher = StatsFlusher(stats, 60.0, datetime.now(UTC), time.monotonic)
+    stats.stage("s", "processed", 3)
+    stats.count("claims")
+    run(dsn, flusher.run_once)
+    run(dsn, flusher.run_once)  # nothing new: no statement, no row
+    (processed,) = conn.execute("SELECT sum(processed) FROM pepsi.stage_stats").fetchone() or (0,)
+    (claims,) = conn.execute("SELECT sum(claims) FROM pepsi.dispatch_stats").fetchone() or (0,)
+    assert (processed, claims) == (3, 1)
+
+
+def test_the_strike_limit_ends_a_message(dsn: str, conn: Conn) -> None:
+    (wid,) = insert(conn, "s", ["x"], "running")
+    rows = RowWriter(DispatchOptions(strike_delay=0.001))
+    for _ in range(MAX_STRIKES):
+        conn.execute(
+            "UPDATE pepsi.workqueue SET status = 'running' WHERE workqueue_id = %s", (wid,)
+        )
+        rows.strike("s", wid, "crashed", "worker exited with status 3")
+        run(dsn, lambda c: rows.flush(c, 0.0))
+    row = conn.execute(
+        "SELECT status::text, state->>'strikes', state->>'failure_class' FROM pepsi.workqueue"
+    ).fetchone()
+    assert row == ("failed", str(MAX_STRIKES), "crashed")
+
+
+# ---- the whole loop, one cycle at a time -------------------------------------------------
+
+
+def test_one_cycle_claims_starts_a_worker_and_the_next_settles_its_answers(
+    dsn: str, conn: Conn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator in-process: its services over a real database and a real worker."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    conf = tmp_path / "pepsi.conf"
+    conf.write_text("[stage-a]\nHANDLER = tests.stages:noop\n")
+    ids = insert(conn, "a", ["x", "y", "z"])
+
+    async def main() -> tuple[int, int, float]:
+        dispatcher = Dispatcher(load_config(conf), dsn)
+        await dispatcher.session.open()
+        try:
+            await dispatcher.session.start_checks(["a"])
+            await dispatcher.cycle()
+            (worker,) = dispatcher.supervisor.pools["a"].workers.values()
+            held = len(worker.inflight)
+            deadline = time.monotonic() + 30
+            while worker.inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)  # the worker answers on its own
+            await dispatcher.cycle()
+            sleep = dispatcher.sleep_time()
+            return held, dispatcher.ledger.answered_total, sleep
+        finally:
+            await dispatcher.supervisor.shutdown()
+            await dispatcher.session.close()
+
+    held, answered, sleep = asyncio.run(main())
+    assert held == len(ids)
+    assert answered == len(ids)
+    assert statuses(conn) == {}  # noop with no NEXT: finished, deleted
+    assert 0 < sleep <= DispatchOptions().poll_interval
