@@ -8,6 +8,7 @@ have been told.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -400,4 +401,13 @@ def test_a_reconnect_refused_for_the_connection_limit_answers_75(
         assert runner.run_batch([wid]) == b"74\n"  # the loss, found by the load
         assert runner.run_batch([wid]) == b"75\n"  # too many connections for the role
     assert row_of(conn, wid) == ("a", "running", {}, None)
+    # The server frees the slot when that backend has exited, a moment after
+    # the client closed: wait for it rather than race it.
+    role = conninfo.conninfo_to_dict(limited_role)["user"]
+    deadline = time.monotonic() + 10
+    while conn.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE usename = %s", (role,)
+    ).fetchone() != (0,):
+        assert time.monotonic() < deadline, "the role's connection never went away"
+        time.sleep(0.01)
     assert outcomes(runner.run_batch([wid])) == [(0, "advance")]

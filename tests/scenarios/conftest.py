@@ -72,6 +72,7 @@ class Pipeline:
             "DB_ERROR_PAUSE": "1s",
             "START_COOLDOWN": "500ms",
             "TEMPFAIL_WINDOW": "3s",
+            "RECONNECT_MAX_DELAY": "1s",
             **dispatch,
         }
         base = "[pepsi-dispatch]\n" + "".join(f"{k} = {v}\n" for k, v in options.items())
