@@ -42,7 +42,7 @@ class Claimer:
             rows = [Claimed(int(wid), str(stage)) for wid, stage, *_ in await cur.fetchall()]
         else:
             rows = await self._fair(conn, self.fair, capacities)
-        rows.sort(key=lambda row: row.wid)
+        rows.sort()  # by id: the oldest first within each stage
         return rows
 
     async def _fair(

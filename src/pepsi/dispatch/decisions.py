@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pepsi.dispatch import pools
 from pepsi.errors import EX_CONFIG
 
 
-@dataclass(frozen=True)
-class WorkerFacts:
-    """One live worker as the decisions see it."""
+class WorkerFacts(NamedTuple):
+    """One live worker as the decisions see it (a tuple: built per worker per wakeup)."""
 
     key: int
     ready: bool = True
@@ -123,8 +123,7 @@ class Stop:
     key: int
 
 
-@dataclass(frozen=True)
-class PoolRules:
+class PoolRules(NamedTuple):
     """The timings and limits one stage's pool is tended by."""
 
     limit: int  # workers it may run now (PARALLELISM or a back-pressure cap)
