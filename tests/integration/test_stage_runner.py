@@ -383,10 +383,13 @@ def limited_role(dsn: str, conn: Conn) -> Iterator[str]:
     """A DSN as a role that may hold one connection at a time."""
     role = f"worker_{uuid.uuid4().hex[:8]}"
     ident = sql.Identifier(role)
-    conn.execute(sql.SQL("CREATE ROLE {} LOGIN CONNECTION LIMIT 1").format(ident))
+    # a password: the embedded server accepts SCRAM logins only
+    conn.execute(
+        sql.SQL("CREATE ROLE {} LOGIN CONNECTION LIMIT 1 PASSWORD 'limited'").format(ident)
+    )
     conn.execute(sql.SQL("GRANT USAGE ON SCHEMA pepsi TO {}").format(ident))
     conn.execute(sql.SQL("GRANT ALL ON ALL TABLES IN SCHEMA pepsi TO {}").format(ident))
-    yield conninfo.make_conninfo(dsn, user=role)
+    yield conninfo.make_conninfo(dsn, user=role, password="limited")
     conn.execute(sql.SQL("DROP OWNED BY {}").format(ident))
     conn.execute(sql.SQL("DROP ROLE {}").format(ident))
 

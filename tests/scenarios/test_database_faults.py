@@ -68,6 +68,7 @@ def test_connections_exhausted_halve_the_pool_then_recover(pipeline: Pipeline, d
     db.execute(
         f"DO $$ BEGIN CREATE ROLE {role} LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END $$"
     )
+    db.execute(f"ALTER ROLE {role} PASSWORD 'limited'")  # the embedded server takes SCRAM only
     for grant in (
         f"GRANT ALL ON SCHEMA pepsi TO {role}",
         f"GRANT ALL ON ALL TABLES IN SCHEMA pepsi TO {role}",
@@ -75,7 +76,7 @@ def test_connections_exhausted_halve_the_pool_then_recover(pipeline: Pipeline, d
         f"GRANT ALL ON test_effects TO {role}",
     ):
         db.execute(grant)
-    pipeline.extra_env["PEPSI_DSN"] = conninfo.make_conninfo(dsn, user=role)
+    pipeline.extra_env["PEPSI_DSN"] = conninfo.make_conninfo(dsn, user=role, password="limited")
     pipeline.configure(SLOW.replace("PARALLELISM = 2", "PARALLELISM = 3"))
     ids = pipeline.publish("work", count=90, properties={"fault": "slow", "sleep": 0.05})
     dispatcher = pipeline.start()

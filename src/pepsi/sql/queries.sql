@@ -134,6 +134,18 @@ SELECT 1 FROM pg_database WHERE datname = %(name)s;
 -- The name is an identifier, composed with psycopg.sql: a parameter cannot be one.
 CREATE DATABASE {name};
 
+-- name: role_set_password
+-- The embedded server's superuser gets a SCRAM verifier computed by libpq, so the
+-- secret itself never reaches the server or its log; composed: ALTER takes no parameter.
+ALTER ROLE {role} PASSWORD {verifier};
+
+-- name: server_conf_load_time
+-- Before a reload of pg_hba.conf: a new session reports a later time once it is applied.
+SELECT pg_conf_load_time();
+
+-- name: server_reload_conf
+SELECT pg_reload_conf();
+
 -- name: workqueue_expire
 -- R-10: dead-letter pending rows past their stage's TTL or their own expiry.
 SELECT pepsi.workqueue_expire(%(stages)s::text[], %(ttls)s::float8[], %(bounces)s::text[],
