@@ -4,6 +4,12 @@ Global options come before the subcommand, everywhere: `pepsi -c FILE config
 check`, `pepsi-setup -L debug schema`. A global flag after the subcommand is
 rejected with one line rather than silently meaning something else. Every
 user mistake ends in one line on stderr and an exit status, never a traceback.
+
+`main()` is the boundary: a `PepsiError` is its one line and exit code; a
+psycopg error that escapes a command is classified (`pepsi.errors.classify`:
+74 lost, 75 busy) or, when the server refused a statement, one line with its
+SQLSTATE (exit 1); Ctrl-C is 130. A bug (an exception that is none of these)
+keeps its traceback.
 """
 
 from __future__ import annotations
@@ -13,10 +19,22 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from pepsi import __version__
 from pepsi.commands import Context, Handler, register
-from pepsi.errors import EX_ERROR, EX_OK, PepsiError, UsageError
+from pepsi.errors import (
+    EX_ERROR,
+    EX_INTERRUPTED,
+    EX_OK,
+    EX_USAGE,
+    PepsiError,
+    UsageError,
+    classify,
+    one_line,
+)
+
+log = logging.getLogger("pepsi.cli")
 
 # Global options, as the pre-scan needs to know them.
 _GLOBAL_VALUED = ("-c", "--config", "-L", "--log")
@@ -59,9 +77,19 @@ def reject_trailing_globals(rest: Sequence[str]) -> None:
             )
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a mistake is a UsageError (one line, exit 2) instead of usage + exit.
+
+    Subcommand parsers are of this class too (argparse makes them `type(parent)`).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser(prog: str, command: str | None = None) -> argparse.ArgumentParser:
     """The parser of `pepsi`; only `command`'s module is imported (the others list by name)."""
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = Parser(
         prog=prog,
         description="Pepsi: a durable message pipeline stored in PostgreSQL.",
         epilog="Global options must precede the subcommand.",
@@ -122,12 +150,44 @@ def main(argv: Sequence[str] | None = None, *, command: str | None = None) -> in
         handler: Handler = args.handler
         return handler(args, context)
     except PepsiError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return _fail(prog, str(exc), exc.exit_code)
     except KeyboardInterrupt:
-        return 130
+        return EX_INTERRUPTED
     except BrokenPipeError:
         return EX_ERROR
+    except UnicodeEncodeError as exc:
+        if exc.reason != "surrogates not allowed":
+            raise
+        # A byte string that is not UTF-8 (argv, a file name) reached text-only code.
+        return _fail(prog, f"not valid UTF-8: {exc.object[exc.start : exc.end]!r}", EX_USAGE)
+    except Exception as exc:
+        code = _database_failure(prog, exc)
+        if code is None:
+            raise  # a bug: keep the traceback
+        return code
+
+
+def _database_failure(prog: str, exc: Exception) -> int | None:
+    """A psycopg error that escaped a command, as one line; None if it is not one."""
+    error = classify(exc)
+    if error is not None:
+        log.debug("database error: %r", exc)
+        return _fail(prog, str(error), error.exit_code)
+    import psycopg  # noqa: PLC0415  # only on this path: `pepsi --help` stays light
+
+    sqlstate = exc.sqlstate if isinstance(exc, psycopg.Error) else None
+    if sqlstate is None:
+        return None  # not the server's answer: a client-side bug
+    # The server refused a statement (a timeout, a permission): its words, not a traceback.
+    log.debug("database error: %r", exc)
+    return _fail(prog, f"database error (SQLSTATE {sqlstate}): {one_line(exc)}", EX_ERROR)
+
+
+def _fail(prog: str, text: str, code: int) -> int:
+    """Print `prog: text` as one line on stderr (undecodable bytes escaped); return `code`."""
+    line = " ".join(text.splitlines()).encode("utf-8", "backslashreplace").decode("utf-8")
+    print(f"{prog}: {line}", file=sys.stderr)
+    return code
 
 
 def _alias(command: str) -> Callable[[], int]:

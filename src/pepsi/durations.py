@@ -46,3 +46,14 @@ def format_duration(seconds: float) -> str:
             parts.append(f"{remaining // size}{unit}")
             remaining %= size
     return "".join(parts)
+
+
+def format_seconds(seconds: float) -> str:
+    """A delay for a log line: `500ms` under a second, else seconds (`60s`, `1.5s`).
+
+    Log lines name delays in seconds as the docs do (`retry in 60s`); a
+    sub-second delay must not round to a misleading `0s`.
+    """
+    if 0 < seconds < 1:
+        return f"{max(1, round(seconds * 1000))}ms"
+    return f"{round(seconds, 1):g}s"

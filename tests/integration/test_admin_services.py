@@ -132,3 +132,19 @@ def test_database_status(
     stopped = database_status(load_config())  # the embedded server is not started for this
     assert stopped.running is False
     assert stopped.source.endswith("(stopped)")
+
+
+def test_top_reads_the_oldest_transaction(conn: Conn, dsn: str) -> None:
+    """Issue 13, defect 5: the reader names who holds back vacuum, and for how long."""
+    reader = activity.TopReader(conn, ["a"], interval=1.0, stats_interval=60.0)
+    assert reader.refresh().horizon is None
+    with psycopg.connect(dsn, application_name="report") as idle:  # not autocommit: BEGIN
+        idle.execute("SELECT txid_current()")
+        pid = idle.info.backend_pid
+        held = reader.refresh().horizon
+        idle.rollback()
+    assert held is not None
+    assert (held.kind, held.pid, held.application) == ("session", pid, "report")
+    assert held.state == "idle in transaction"
+    assert held.age_s >= 0
+    assert reader.refresh().horizon is None

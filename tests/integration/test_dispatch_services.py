@@ -14,17 +14,19 @@ from typing import Any, TypeVar
 
 import psycopg
 import pytest
+from psycopg import sql
 
-from pepsi.config import DispatchOptions, load_config
+from pepsi.config import Config, DispatchOptions, load_config
 from pepsi.dispatch.claimer import Claimer
 from pepsi.dispatch.coordinator import Dispatcher
 from pepsi.dispatch.fairness import FairShare
 from pepsi.dispatch.flusher import StatsFlusher
 from pepsi.dispatch.ledger import Claimed
 from pepsi.dispatch.rows import MAX_STRIKES, RowWriter
-from pepsi.dispatch.session import AlreadyRunning, Session, SessionOptions, connect
+from pepsi.dispatch.session import Session, SessionOptions, connect
 from pepsi.dispatch.stats import Stats
 from pepsi.dispatch.sweeper import Sweeper, SweepOptions
+from pepsi.errors import AlreadyRunning, DatabaseReadOnly, classify, is_reconnect
 
 REPO = Path(__file__).resolve().parents[2]
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -246,3 +248,46 @@ def test_one_cycle_claims_starts_a_worker_and_the_next_settles_its_answers(
     assert answered == len(ids)
     assert statuses(conn) == {}  # noop with no NEXT: finished, deleted
     assert 0 < sleep <= DispatchOptions().poll_interval
+
+
+def test_a_sub_second_strike_delay_is_logged_as_such(
+    dsn: str, conn: Conn, caplog: pytest.LogCaptureFixture
+) -> None:
+    (wid,) = insert(conn, "s", ["x"], "running")
+    rows = RowWriter(DispatchOptions(strike_delay=0.5))
+    rows.strike("s", wid, "crashed", "worker exited with status 3")
+    with caplog.at_level("WARNING", logger="pepsi.dispatch"):
+        run(dsn, lambda c: rows.flush(c, 0.0))
+    assert "strike 1 (worker exited with status 3); retry in 500ms" in caplog.text
+
+
+def test_a_database_turned_read_only_is_a_reconnect_not_a_bug(dsn: str, conn: Conn) -> None:
+    """After a failover the old primary refuses writes (25006): reconnect, do not carry on."""
+    name = conn.info.dbname
+
+    async def main() -> tuple[BaseException, bool]:
+        dispatcher = Dispatcher(Config(None), dsn)
+        await dispatcher.session.open()
+        try:
+            try:
+                await dispatcher.cycle()  # the sweeper's UPDATE is refused
+            except psycopg.Error as exc:
+                failure: BaseException = exc
+            else:
+                raise AssertionError("a read-only database accepted the sweep")
+            conn.execute(sql.SQL("ALTER DATABASE {} RESET ALL").format(sql.Identifier(name)))
+            restored = await dispatcher.session.reconnect(dispatcher._restore)
+            await dispatcher.cycle()  # writable again: the same cycle goes through
+            return failure, restored
+        finally:
+            await dispatcher.session.close()
+
+    conn.execute(
+        sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(
+            sql.Identifier(name)
+        )
+    )
+    failure, restored = asyncio.run(main())
+    assert is_reconnect(failure)
+    assert isinstance(classify(failure), DatabaseReadOnly)
+    assert restored

@@ -127,3 +127,77 @@ def test_ids_beyond_bigint_are_one_line(queue: Any, capsys: pytest.CaptureFixtur
     code, rows, _ = run(capsys, "list", "--limit", huge, "--json")
     assert (code, [r["id"] for r in rows]) == (0, [1, 2, 3, 4, 5])
     assert queue.execute("SELECT count(*) FROM pepsi.workqueue").fetchone() == (5,)
+
+
+# Issue 13, defect 5: a transaction holding back vacuum is shown, past a threshold.
+def test_status_warns_of_a_transaction_holding_back_vacuum(
+    queue: psycopg.Connection[Any],
+    dsn: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import re  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from pepsi.admin.horizon import WARN_AFTER_ENV, read_oldest  # noqa: PLC0415
+
+    def status() -> tuple[int, str, str]:
+        code, out, err = run(capsys, "status")
+        return code, re.sub(r"\d+\.\ds", "AGE", out), err  # the oldest pending row ages
+
+    code, quiet, _ = status()
+    assert (code, "warning" in quiet) == (0, False)
+    with psycopg.connect(dsn, application_name="psql") as idle:  # not autocommit: BEGIN
+        idle.execute("SELECT txid_current()")
+        pid = idle.info.backend_pid
+        deadline = time.monotonic() + 10
+        while (held := read_oldest(queue)) is None or held.age_s <= 0.2:  # a shortened threshold
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        # Under the default threshold (60s): the same output as without the session.
+        assert status() == (0, quiet, "")
+        monkeypatch.setenv(WARN_AFTER_ENV, "200ms")
+        code, out, err = status()
+        assert (code, err) == (0, "")
+        assert out.startswith(quiet)  # every other line unchanged
+        (line,) = out[len(quiet) :].splitlines()
+        assert line.startswith(f"warning: transaction of pid {pid} (user ")
+        assert ", app psql, idle in transaction) has held back vacuum for " in line
+        assert line.endswith("end it or set idle_in_transaction_session_timeout")
+        code, data, _ = run(capsys, "status", "--json")
+        held = data["oldest_transaction"]
+        assert (held["pid"], held["state"], held["late"]) == (pid, "idle in transaction", True)
+        monkeypatch.setenv(WARN_AFTER_ENV, "soon")
+        code, out, err = run(capsys, "status")
+        assert (code, out) == (1, "")
+        assert err.count("\n") == 1
+        assert "PEPSI_HORIZON_WARN_AFTER='soon': expected a duration" in err
+        idle.rollback()
+    monkeypatch.delenv(WARN_AFTER_ENV)
+    assert run(capsys, "status", "--json")[1]["oldest_transaction"] is None
+
+
+@pytest.mark.parametrize("huge", [str(2**63), str(-(2**63) - 1), str(10**40)])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("retry", "{}"),
+        ("resume", "{}"),
+        ("move", "{}", "--to", "b"),
+        ("delete", "{}", "--yes"),
+        ("retry", "3", "{}"),
+        ("show", "{}"),
+    ],
+)
+def test_an_id_just_beyond_bigint_is_not_a_database_error(
+    queue: Any, capsys: pytest.CaptureFixture[str], huge: str, args: tuple[str, ...]
+) -> None:
+    """Issue 13: `pepsi queue retry 9223372036854775808` raised NumericValueOutOfRange."""
+    code, out, err = run(capsys, *(a.format(huge) for a in args))
+    assert code == 1, err
+    assert out == ""
+    assert huge in err
+    assert err.count("\n") == 1
+    assert "SQLSTATE" not in err
+    assert "out of range" not in err
+    assert queue.execute("SELECT count(*) FROM pepsi.workqueue").fetchone() == (5,)

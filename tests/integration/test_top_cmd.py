@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from pepsi.admin.horizon import WARN_AFTER_ENV, read_oldest
 from pepsi.cli import main
 from pepsi.publishing import OutgoingMessage, Publisher
 
@@ -166,3 +168,38 @@ def test_refusals(
     assert code == 1
     assert "cannot connect to the database" in err
     assert err.count("\n") == 1
+
+
+# Issue 13, defect 5: the oldest transaction holding back vacuum, in the header.
+def test_the_oldest_transaction_in_the_header(
+    queue: psycopg.Connection[Any],
+    dsn: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    code, out, _ = top(capsys, "--count", "1", "--json")
+    assert (code, json.loads(out)["oldest_transaction"]) == (0, None)
+    with psycopg.connect(dsn, application_name="psql") as idle:  # not autocommit: BEGIN
+        idle.execute("SELECT txid_current()")
+        pid = idle.info.backend_pid
+        deadline = time.monotonic() + 10
+        while (held := read_oldest(queue)) is None or held.age_s <= 0.2:  # a shortened threshold
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        code, out, _ = top(capsys, "--count", "1", "--json")
+        item = json.loads(out)["oldest_transaction"]
+        assert (item["pid"], item["state"], item["late"]) == (pid, "idle in transaction", False)
+        assert item["age_s"] >= 0.2
+        code, out, err = top(capsys, "--count", "1")
+        assert (code, err) == (0, "")
+        assert "oldest transaction " in out
+        assert f"(pid {pid})" in out
+        assert "warning" not in out  # under the default 60s
+        monkeypatch.setenv(WARN_AFTER_ENV, "200ms")
+        code, out, err = top(capsys, "--count", "1")
+        assert (code, err) == (0, "")
+        out = " ".join(out.split())  # rich folds long lines at 200 columns when piped
+        assert f"warning: transaction of pid {pid} (user " in out
+        assert "end it or set idle_in_transaction_session_timeout" in out
+        assert json.loads(top(capsys, "--count", "1", "--json")[1])["oldest_transaction"]["late"]
+        idle.rollback()

@@ -64,10 +64,86 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bad_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        main(["-L", "loud", "config", "check"])
-    assert info.value.code == 2
-    assert "invalid choice: 'loud'" in capsys.readouterr().err
+    assert main(["-L", "loud", "config", "check"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pepsi: argument -L/--log: invalid choice: 'loud'")
+    assert err.endswith("(see pepsi --help)\n")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "the following arguments are required: COMMAND"),
+        (["nosuch"], "argument COMMAND: invalid choice: 'nosuch'"),
+        (["queue"], "the following arguments are required: ACTION (see pepsi queue --help)"),
+        (["queue", "retry", "x"], "argument ID: invalid int value: 'x' (see pepsi queue retry"),
+        (["queue", "move", "1"], "the following arguments are required: --to"),
+        (["queue", "status", "--nope"], "unrecognized arguments: --nope"),
+        (["top", "--count", "1.5"], "argument --count: invalid int value: '1.5'"),
+        (["-c"], "argument -c/--config: expected one argument"),
+        (["queue", "list", "--status", "gone"], "argument --status: invalid choice: 'gone'"),
+    ],
+)
+def test_argparse_mistakes_are_one_line_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("pepsi: ")
+    assert message in captured.err
+    assert captured.err.count("\n") == 1
+
+
+def test_an_alias_names_itself_in_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["retry", "x"], command="queue") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pepsi-queue: argument ID: invalid int value: 'x'")
+    assert "(see pepsi-queue queue retry --help)" in err
+
+
+def test_a_newline_in_an_argument_stays_on_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["queue", "status", "a\nb\rc"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_undecodable_bytes_in_an_argument_are_one_line(
+    isolated_env: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # What Python makes of `pepsi queue move 1 --to $'\xff'` (surrogateescape).
+    (isolated_env / "pepsi.conf").write_text(CONF)
+    code = main(["queue", "move", "1", "--to", b"\xff".decode("utf-8", "surrogateescape")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err == "pepsi: no stage named '\\udcff'\n"
+
+
+def test_a_bug_keeps_its_traceback() -> None:
+    """Only domain and database errors are turned into one line; a bug is not hidden."""
+    code = (
+        "import pepsi.commands.config_cmd as c\n"
+        "def broken(args, ctx): raise RuntimeError('a bug')\n"
+        "c.run_check = broken\n"
+        "from pepsi.cli import main\n"
+        "main(['config', 'check'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr
+    assert "RuntimeError: a bug" in done.stderr
+
+
+def test_ctrl_c_is_130_and_quiet() -> None:
+    code = (
+        "import pepsi.commands.config_cmd as c\n"
+        "def interrupted(args, ctx): raise KeyboardInterrupt\n"
+        "c.run_check = interrupted\n"
+        "from pepsi.cli import main\n"
+        "raise SystemExit(main(['config', 'check']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert (done.returncode, done.stderr) == (130, "")
 
 
 def test_config_check_prints_the_graph(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

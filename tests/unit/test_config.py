@@ -328,3 +328,62 @@ def test_dispatcher_timing_errors(tmp_path: Path, key: str, value: str, problem:
     message = error(tmp_path, f"[pepsi-dispatch]\n{key} = {value}\n")
     assert f"[pepsi-dispatch] {key}:" in message
     assert problem in message
+
+
+# Issue 13, defect 4: the reader's edge cases, each one line naming file and line.
+@pytest.mark.parametrize(
+    ("text", "where", "problem"),
+    [
+        ("[stage-x\nHANDLER = m:f\n", "line 1", "section header '[stage-x' is not closed"),
+        (
+            "[stage-a]\nHANDLER = m:f\n[stage-b\nHANDLER = m:g\n",
+            "line 3",
+            "section header '[stage-b' is not closed",
+        ),
+        ("[stage-x] y\nHANDLER = m:f\n", "line 1", "unexpected 'y' after the section header"),
+        ("[[pepsi]]\n", "line 1", "unexpected ']' after the section header [[pepsi]"),
+        ("[]\n", "line 1", "empty section name '[]'"),
+        ("[pepsi]\n[ ]\n", "line 2", "empty section name"),
+        ("[pepsi]\nALLOW_FUSION = yes\n[pepsi]\n", "[pepsi]", "section appears twice (line 3)"),
+        ("[pepsi]\n= yes\n", "line 2", "cannot parse '= yes'"),
+        ("hello\n[pepsi]\n", "line 1", "a key before any [section] header"),
+        ("[pepsi]\nnonsense\n", "line 2", "cannot parse 'nonsense'"),
+    ],
+)
+def test_reader_edge_cases(tmp_path: Path, text: str, where: str, problem: str) -> None:
+    message = error(tmp_path, text)
+    assert where in message
+    assert problem in message
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path: Path) -> None:
+    path = tmp_path / "pepsi.conf"
+    path.write_bytes(b"\xef\xbb\xbf[pepsi]\nALLOW_FUSION = no\n")
+    assert load_config(path).pepsi.allow_fusion is False
+
+
+@pytest.mark.parametrize("newline", ["\r\n", "\r", "\n"])
+def test_any_line_ending_is_accepted(tmp_path: Path, newline: str) -> None:
+    text = "[pepsi]\nALLOW_FUSION = no  # inline\n\n[pepsi-postgres]\nDSN = host=x port=5\n"
+    path = tmp_path / "pepsi.conf"
+    path.write_bytes(text.replace("\n", newline).encode())
+    config = load_config(path)
+    assert config.pepsi.allow_fusion is False
+    assert config.postgres.dsn == "host=x port=5"
+
+
+def test_comments_and_indentation(tmp_path: Path) -> None:
+    text = "  # a comment\n  [stage-a]   ; why\n  HANDLER: m:f\n\tPARALLELISM = 2 # two\n"
+    config = load(tmp_path, text)
+    assert config.stages["a"].handler == "m:f"
+    assert config.stages["a"].parallelism == 2
+
+
+def test_text_that_is_not_utf8_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "pepsi.conf"
+    path.write_bytes(b"[pepsi]\n# ok\n# caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"line 3: not UTF-8 text$"):
+        load_config(path)
+    path.write_bytes("[pepsi]\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match=r"line 1: not UTF-8 text \(it looks like UTF-16\)"):
+        load_config(path)

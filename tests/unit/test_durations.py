@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pepsi.durations import format_duration, parse_duration
+from pepsi.durations import format_duration, format_seconds, parse_duration
 
 
 @pytest.mark.parametrize(
@@ -34,3 +34,13 @@ def test_parse_duration_rejects(text: str) -> None:
 @given(st.integers(min_value=0, max_value=10**7))
 def test_format_round_trips(seconds: int) -> None:
     assert parse_duration(format_duration(seconds)) == seconds
+
+
+def test_log_delays_under_a_second_are_not_rounded_to_zero() -> None:
+    assert format_seconds(0.5) == "500ms"
+    assert format_seconds(0.0004) == "1ms"
+    assert format_seconds(0) == "0s"
+    assert format_seconds(1.0) == "1s"
+    assert format_seconds(1.5) == "1.5s"
+    assert format_seconds(60.0) == "60s"
+    assert format_seconds(3600.0) == "3600s"

@@ -10,7 +10,8 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from pepsi.dispatch.metrics import Gauges, Snapshot, families
+from pepsi.admin.horizon import Holder
+from pepsi.dispatch.metrics import Gauges, Snapshot, families, horizon_families
 from pepsi.dispatch.stats import Counts
 
 
@@ -61,3 +62,27 @@ def test_counters_and_gauges_have_conventional_names() -> None:
     # a configured stage that has done nothing yet still has its series, at zero
     assert got["pepsi_stage_strikes_total{stage=b}"] == 0
     assert got["pepsi_workers{stage=b}"] == 0
+
+
+def test_oldest_transaction_gauges() -> None:
+    """The age and the holder's pid as values, never a label (a series per session)."""
+
+    def read(holder: Holder | None) -> dict[str, float]:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(Fixed(horizon_families(holder)))
+        text = generate_latest(registry).decode()
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        assert all(not s.labels for s in samples)
+        return {s.name: s.value for s in samples}
+
+    held = Holder("session", 192.5, pid=1234, user="x", state="idle in transaction")
+    assert read(held) == {
+        "pepsi_oldest_transaction_age_seconds": 192.5,
+        "pepsi_oldest_transaction_pid": 1234,
+    }
+    assert read(None) == {
+        "pepsi_oldest_transaction_age_seconds": 0,
+        "pepsi_oldest_transaction_pid": 0,
+    }
+    prepared = Holder("prepared", 10.0, user="x", gid="t1")
+    assert read(prepared)["pepsi_oldest_transaction_pid"] == 0

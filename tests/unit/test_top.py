@@ -6,6 +6,16 @@ import json
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
+from pepsi.admin.horizon import (
+    HORIZON_WARN_AFTER,
+    WARN_AFTER_ENV,
+    Holder,
+    is_late,
+    warn_after,
+    warning,
+)
 from pepsi.admin.top import (
     DispatchCounters,
     Sample,
@@ -15,6 +25,8 @@ from pepsi.admin.top import (
     frame,
     rate,
 )
+from pepsi.commands.top_cmd import header
+from pepsi.errors import ConfigError
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 INTERVAL = 60.0  # STATS_INTERVAL
@@ -214,3 +226,52 @@ def test_a_slow_queue_count_is_redone_less_often() -> None:
     old = sample(5.0, flushed=0.0)
     aged = replace(old, counts_age=2.5)
     assert frame((), aged, ["a"], INTERVAL).as_dict()["counts_age_s"] == 2.5
+
+
+# Issue 13, defect 5: the oldest transaction holding back vacuum, and when to warn.
+def test_horizon_warning_only_past_the_threshold() -> None:
+    assert HORIZON_WARN_AFTER == 60.0  # docs/operations.md says so
+    held = Holder(
+        "session", 192.0, pid=1234, user="x", application="psql", client="local",
+        state="idle in transaction",
+    )  # fmt: skip
+    assert not is_late(None, 0.0)
+    assert not is_late(held, 192.0)  # exactly at the threshold: not yet
+    assert is_late(held, 191.9)
+    assert warning(held, HORIZON_WARN_AFTER) == (
+        "warning: transaction of pid 1234 (user x, app psql, idle in transaction) has held "
+        "back vacuum for 3m12s: dead rows pile up and the pipeline slows; end it or set "
+        "idle_in_transaction_session_timeout"
+    )
+    assert warning(replace(held, age_s=59.0), HORIZON_WARN_AFTER) is None
+    assert warning(None, 0.0) is None
+    remote = replace(held, application=None, client="192.0.2.7:5050", state="active")
+    assert remote.describe() == "pid 1234 (user x, from 192.0.2.7:5050, active)"
+    prepared = Holder("prepared", 3600.0, user="app", gid="order-17")
+    assert warning(prepared, 60.0) == (
+        "warning: prepared transaction 'order-17' (owner app) has held back vacuum for 1h: "
+        "dead rows pile up and the pipeline slows; COMMIT PREPARED or ROLLBACK PREPARED it"
+    )
+
+
+def test_horizon_threshold_from_the_environment() -> None:
+    assert warn_after({}) == 60.0
+    assert warn_after({WARN_AFTER_ENV: " "}) == 60.0
+    assert warn_after({WARN_AFTER_ENV: "5m"}) == 300.0
+    assert warn_after({WARN_AFTER_ENV: "0.5"}) == 0.5
+    with pytest.raises(ConfigError, match=r"PEPSI_HORIZON_WARN_AFTER='soon': expected a duration"):
+        warn_after({WARN_AFTER_ENV: "soon"})
+
+
+def test_the_frame_carries_the_oldest_transaction() -> None:
+    held = Holder("session", 75.0, pid=99, user="x", state="idle in transaction")
+    item = frame((), replace(sample(5.0, flushed=0.0), horizon=held), ["a"], INTERVAL)
+    assert item.horizon == held
+    data = json.loads(json.dumps(item.as_dict()))
+    assert data["oldest_transaction"]["pid"] == 99
+    assert data["oldest_transaction"]["age_s"] == 75.0
+    assert data["oldest_transaction"]["state"] == "idle in transaction"
+    assert header(item).endswith(" · oldest transaction 1m15s (pid 99)")
+    none = frame((), sample(5.0, flushed=0.0), ["a"], INTERVAL)
+    assert none.as_dict()["oldest_transaction"] is None
+    assert "oldest transaction" not in header(none)

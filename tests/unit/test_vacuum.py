@@ -4,7 +4,7 @@ from pepsi.dispatch.vacuum import Vacuum
 
 
 def test_a_run_is_due_every_after_passes() -> None:
-    vacuum = Vacuum("dsn", after=100)
+    vacuum = Vacuum("dsn", after=100, connect_timeout=10.0)
     assert not vacuum.due(99)
     assert vacuum.due(100)
     vacuum.started_at = 100
@@ -13,4 +13,4 @@ def test_a_run_is_due_every_after_passes() -> None:
 
 
 def test_zero_means_never() -> None:
-    assert not Vacuum("dsn", after=0).due(10**9)
+    assert not Vacuum("dsn", after=0, connect_timeout=10.0).due(10**9)

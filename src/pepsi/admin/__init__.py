@@ -9,6 +9,8 @@
     activity    the view's reads: queue counts, statistics, workers, dispatcher
     database    the database in use: embedded or not, server, schema, queue
     connection  a connection refused unless its schema is this build's
+    horizon     the oldest transaction holding back vacuum: its read, the
+                warning, the metrics probe
 
 Functions take a psycopg connection (or the config to open one), return
 frozen dataclasses and raise `PepsiError`s for what a user asked wrong; none

@@ -1,6 +1,7 @@
 """`pepsi top`'s reads: what the pipeline is doing, one `Sample` per refresh.
 
-Each refresh reads the stats tables, pg_stat_activity and pg_locks (well
+Each refresh reads the stats tables, pg_stat_activity (workers, and the
+oldest transaction holding back vacuum), pg_prepared_xacts and pg_locks (well
 under a millisecond) and counts the queue; a count that is slow (a large
 queue) is redone only after ten times its duration, and the frame says how
 old it is (`pepsi.admin.top.counts_due`). The arithmetic from samples to a
@@ -17,6 +18,7 @@ from typing import Any
 import psycopg
 
 from pepsi.admin.connection import open_current
+from pepsi.admin.horizon import read_oldest
 from pepsi.admin.queue import count_by_stage_status
 from pepsi.admin.top import (
     DispatchCounters,
@@ -28,9 +30,8 @@ from pepsi.admin.top import (
     frame,
 )
 from pepsi.config import Config
-from pepsi.db import connect
 from pepsi.db.queries import query
-from pepsi.errors import DatabaseUnavailable
+from pepsi.errors import DatabaseUnavailable, classify, one_line
 
 WORKER_PREFIX = "pepsi-worker:"  # each worker's connection is named after its stage
 APPLICATION_NAME = "pepsi-top"  # not a worker: the view does not count itself
@@ -79,6 +80,7 @@ def read_sample(
         dispatcher_pid=None if holder is None else int(holder[0]),
         dispatcher_since=None if holder is None else holder[4],
         counts_age=counts_age,
+        horizon=read_oldest(conn),
     )
 
 
@@ -146,4 +148,6 @@ def frames(
 
 
 def _unavailable(exc: psycopg.Error) -> DatabaseUnavailable:
-    return DatabaseUnavailable(f"reading the queue failed: {connect.one_line(exc)}")
+    """The read's failure as one line, of the class the classifier gives (lost: 74)."""
+    kind = type(classify(exc) or DatabaseUnavailable(""))
+    return kind(f"reading the queue failed: {one_line(exc)}", sqlstate=exc.sqlstate)

@@ -20,9 +20,10 @@ import psycopg
 from pepsi.config import Config
 from pepsi.db import connect, schema
 from pepsi.db.queries import query
-from pepsi.errors import DatabaseUnavailable
+from pepsi.errors import DatabaseUnavailable, classify
 
 log = logging.getLogger("pepsi.failure-bouncer")
+APPLICATION_NAME = "pepsi-failure-bouncer"
 BATCH = 1000  # rows per statement: a large backlog moves in short transactions
 
 
@@ -70,18 +71,25 @@ class Bouncer:
 
     def check(self) -> None:
         """At start: the database answers and has this build's schema (else its error)."""
-        with connect.connect(self.dsn, timeout=self.connect_timeout) as conn:
+        with connect.connect(
+            self.dsn, timeout=self.connect_timeout, application_name=APPLICATION_NAME
+        ) as conn:
             schema.require_current(conn)
 
     def run_once(self) -> int:
         """One pass: how many messages moved; DatabaseUnavailable if it could not run."""
         try:
-            with connect.connect(self.dsn, timeout=self.connect_timeout) as conn:
+            with connect.connect(
+                self.dsn, timeout=self.connect_timeout, application_name=APPLICATION_NAME
+            ) as conn:
                 moved = bounce_once(
                     conn, self.settings.stages, self.settings.sink, self.settings.batch
                 )
-        except (DatabaseUnavailable, psycopg.OperationalError) as exc:
-            raise DatabaseUnavailable(str(exc)) from None
+        except psycopg.Error as exc:  # the connect's own errors are domain errors already
+            error = classify(exc)
+            if error is None:
+                raise
+            raise error from None
         if moved:
             log.warning("moved %d failed messages to %s", moved, self.settings.where)
         return moved

@@ -10,11 +10,7 @@ from pepsi.config import Config
 from pepsi.db import connect, schema
 from pepsi.db.embedded import EmbeddedServer
 from pepsi.db.queries import query
-from pepsi.errors import PepsiError
-
-
-class NotEmbedded(PepsiError):
-    """An action on the embedded server while a DSN names another one."""
+from pepsi.errors import NotEmbedded
 
 
 @dataclass(frozen=True)
@@ -52,7 +48,9 @@ def database_status(config: Config) -> DatabaseStatus:
         assert dsn is not None
     else:
         source = connect.Target(dsn, None).source
-    with connect.connect(dsn, timeout=config.postgres.connect_timeout) as conn:
+    with connect.connect(
+        dsn, timeout=config.postgres.connect_timeout, application_name="pepsi-db"
+    ) as conn:
         version = conn.execute(query("server_version")).fetchone()
         check = schema.check(conn)
         current = check.state is schema.SchemaState.CURRENT

@@ -28,30 +28,17 @@ from typing import Any, Literal
 
 import psycopg
 
+from pepsi.admin.horizon import Holder, read_oldest
 from pepsi.db.queries import query
-from pepsi.errors import PepsiError
+
+# The errors live in pepsi.errors (every error class does); re-exported here.
+from pepsi.errors import NoSuchMessage, QueueError, RepairRefused, UnknownStage
 
 Connection = psycopg.Connection[Any]
 Status = Literal["pending", "running", "paused", "failed", "timeout"]
 STATUSES: tuple[Status, ...] = ("pending", "running", "paused", "failed", "timeout")
 Action = Literal["resume", "retry", "move", "delete"]
 BIGINT_MIN, BIGINT_MAX = -(2**63), 2**63 - 1  # workqueue_id: no id outside can exist
-
-
-class QueueError(PepsiError):
-    """A request about the queue that cannot be done as asked; nothing was changed."""
-
-
-class NoSuchMessage(QueueError):
-    """The message asked for is not in the queue."""
-
-
-class RepairRefused(QueueError):
-    """A repair that cannot be done as asked; nothing was changed."""
-
-
-class UnknownStage(RepairRefused):
-    """A repair names a stage the configuration does not have."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +84,7 @@ class FailureCount:
 class QueueStatus:
     stages: tuple[StageStatus, ...]  # by stage name
     failures: tuple[FailureCount, ...]
+    horizon: Holder | None = None  # the oldest transaction holding back vacuum
 
 
 def count_by_stage_status(conn: Connection) -> dict[str, dict[str, int]]:
@@ -108,7 +96,7 @@ def count_by_stage_status(conn: Connection) -> dict[str, dict[str, int]]:
 
 
 def status(conn: Connection) -> QueueStatus:
-    """Counts, heads and failures of every stage that has rows."""
+    """Counts, heads and failures of every stage that has rows; who holds back vacuum."""
     counts = count_by_stage_status(conn)
     stages = sorted(counts)
     heads = {
@@ -127,6 +115,7 @@ def status(conn: Connection) -> QueueStatus:
     return QueueStatus(
         stages=tuple(rows),
         failures=tuple(FailureCount(str(s), str(st), str(c), int(n)) for s, st, c, n in failures),
+        horizon=read_oldest(conn),
     )
 
 

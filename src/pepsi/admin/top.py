@@ -21,7 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pepsi.admin.horizon import Holder
 
 FLUSH_SLACK = 2.0  # seconds past STATS_INTERVAL before a missing flush means "idle"
 # Counting a large queue is a scan (about 0.3 s for a million rows): it may take at
@@ -65,6 +68,7 @@ class Sample:
     dispatcher_pid: int | None  # the backend holding the dispatcher's lock, None: not running
     dispatcher_since: datetime | None = None  # when that backend connected
     counts_age: float = 0.0  # seconds since `counts` were read (a slow count is not redone)
+    horizon: Holder | None = None  # the oldest transaction holding back vacuum
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ class Frame:
     last_flush: datetime | None
     stages: tuple[StageRow, ...] = field(default=())
     counts_age: float = 0.0
+    horizon: Holder | None = None  # the oldest transaction holding back vacuum
 
     @property
     def dispatcher_running(self) -> bool:
@@ -133,6 +138,7 @@ class Frame:
                 }
                 for row in self.stages
             ],
+            "oldest_transaction": None if self.horizon is None else self.horizon.as_dict(),
         }
 
 
@@ -220,6 +226,7 @@ def frame(
         last_flush=current.dispatch.updated,
         stages=tuple(rows),
         counts_age=current.counts_age,
+        horizon=current.horizon,
     )
 
 

@@ -1,7 +1,9 @@
 """`pepsi queue` (alias `pepsi-queue`): inspect the queue and repair it without SQL.
 
     status                     counts per stage and status, oldest pending age,
-                               next retry, failures by class
+                               next retry, failures by class, and a warning
+                               when a transaction holds back vacuum (longer
+                               than $PEPSI_HORIZON_WARN_AFTER, default 60s)
     list [selectors]           the rows themselves
     show ID [--body]           one message: envelope, state, sizes, body
     resume IDS | selectors     paused -> pending now
@@ -24,10 +26,10 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
-from pepsi.admin import queue
+from pepsi.admin import horizon, queue
 from pepsi.admin.connection import open_current
 from pepsi.commands import Context, summary
-from pepsi.errors import EX_OK
+from pepsi.errors import EX_OK, QueueError, RepairRefused
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -91,11 +93,16 @@ def _json_default(value: Any) -> Any:
 
 
 def run_status(args: argparse.Namespace, ctx: Context) -> int:
+    threshold = horizon.warn_after()  # before connecting: a bad value is the caller's mistake
     with open_current(ctx.config()) as conn:
         read = queue.status(conn)
-    data = {
+    holder = read.horizon
+    data: dict[str, Any] = {
         "stages": [_stage_data(s) for s in read.stages],
         "failures": [asdict(f) for f in read.failures],
+        "oldest_transaction": None
+        if holder is None
+        else {**holder.as_dict(), "late": horizon.is_late(holder, threshold)},
     }
     if args.json:
         _emit(data)
@@ -120,6 +127,9 @@ def run_status(args: argparse.Namespace, ctx: Context) -> int:
         for f in data["failures"]:
             failed.add_row(f["stage"], f["status"], f["failure_class"], str(f["count"]))
         out.print(failed)
+    warning = horizon.warning(holder, threshold)  # a line only past the threshold
+    if warning is not None:
+        out.print(warning, style="bold yellow", markup=False, highlight=False, soft_wrap=True)
     return EX_OK
 
 
@@ -135,7 +145,7 @@ def _stage_data(stage: queue.StageStatus) -> dict[str, Any]:
 
 def run_list(args: argparse.Namespace, ctx: Context) -> int:
     if args.limit < 1:
-        raise queue.QueueError("--limit must be at least 1")
+        raise QueueError("--limit must be at least 1")
     where = queue.MessageFilter(stage=args.stage, status=args.status, sender_key=args.sender_key)
     with open_current(ctx.config()) as conn:
         items = [asdict(m) for m in queue.list_messages(conn, where, limit=args.limit)]
@@ -179,9 +189,7 @@ def run_repair(args: argparse.Namespace, ctx: Context) -> int:
     name = args.repair
     # The domain refuses this too; here it comes first, in the command line's words.
     if not args.ids and not args.all and not args.stage:
-        raise queue.RepairRefused(
-            f"say which messages: IDs, --stage STAGE or --all ({name} refused)"
-        )
+        raise RepairRefused(f"say which messages: IDs, --stage STAGE or --all ({name} refused)")
     selection = queue.Selection(
         ids=tuple(args.ids),
         stage=args.stage,
@@ -205,7 +213,7 @@ def run_repair(args: argparse.Namespace, ctx: Context) -> int:
 def _confirm_delete(plan: queue.RepairPlan) -> bool:
     """Asked inside the repair's transaction, with the count it would delete."""
     if not sys.stdin.isatty():
-        raise queue.RepairRefused(f"delete {plan.count} message(s)? add --yes to confirm")
+        raise RepairRefused(f"delete {plan.count} message(s)? add --yes to confirm")
     answer = input(f"delete {plan.count} message(s)? [y/N] ")
     return answer.strip().lower() in ("y", "yes")
 

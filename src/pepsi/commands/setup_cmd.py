@@ -24,6 +24,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run_schema(args: argparse.Namespace, ctx: Context) -> int:
     config = ctx.config()
     target = connect.resolve(config)
-    with connect.connect(target.dsn, timeout=config.postgres.connect_timeout) as conn:
+    with connect.connect(
+        target.dsn, timeout=config.postgres.connect_timeout, application_name="pepsi-setup"
+    ) as conn:
         print(schema.install(conn))
     return EX_OK

@@ -10,7 +10,9 @@ Each refresh reads the stats tables, pg_stat_activity and pg_locks (well
 under a millisecond) and counts the queue; a count that is slow (a large
 queue) is redone only after ten times its duration, and the header says how
 old it is. Rates are per second between the dispatcher's last two statistics
-flushes (every STATS_INTERVAL and when idle). See docs/operations.md.
+flushes (every STATS_INTERVAL and when idle). The header also shows the oldest
+transaction holding back vacuum, highlighted with a warning past 60s
+($PEPSI_HORIZON_WARN_AFTER). See docs/operations.md.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from pepsi.admin import activity
+from pepsi.admin import activity, horizon
 from pepsi.admin.top import RATED, Frame
 from pepsi.commands import Context, summary
 from pepsi.durations import format_duration, parse_duration
@@ -71,46 +73,52 @@ def run_top(args: argparse.Namespace, ctx: Context) -> int:
     config = ctx.config()
     stages = list(config.stages)
     stats_interval = config.dispatch.stats_interval
+    warn_after = horizon.warn_after()
     try:
         with activity.open_top(config) as conn:
             frames = activity.frames(conn, stages, interval, args.count, stats_interval)
             if args.json:
-                _print_json(frames, config)
+                _print_json(frames, config, warn_after)
             elif sys.stdout.isatty():
-                _show_live(frames, config)
+                _show_live(frames, config, warn_after)
             else:
-                _print_frames(frames, config)
+                _print_frames(frames, config, warn_after)
     except KeyboardInterrupt:
         return EX_OK  # Ctrl-C is how a live view is meant to end
     return EX_OK
 
 
-def _print_json(frames: Iterator[Frame], config: Config) -> None:
+def _print_json(frames: Iterator[Frame], config: Config, warn_after: float) -> None:
     for item in frames:
         data = item.as_dict()
         data["stats_interval_s"] = config.dispatch.stats_interval
+        if data["oldest_transaction"] is not None:
+            data["oldest_transaction"]["late"] = horizon.is_late(item.horizon, warn_after)
         sys.stdout.write(json.dumps(data) + "\n")
         sys.stdout.flush()  # a reader at the other end of a pipe sees each frame at once
 
 
-def _print_frames(frames: Iterator[Frame], config: Config) -> None:
+def _print_frames(frames: Iterator[Frame], config: Config, warn_after: float) -> None:
     from pepsi.terminal import console  # noqa: PLC0415  # rich loads slowly
 
     out = console()
     for item in frames:
-        out.print(render(item, config.dispatch.stats_interval))
+        out.print(render(item, config.dispatch.stats_interval, warn_after=warn_after))
         sys.stdout.flush()
 
 
-def _show_live(frames: Iterator[Frame], config: Config) -> None:
+def _show_live(frames: Iterator[Frame], config: Config, warn_after: float) -> None:
     from rich.live import Live  # noqa: PLC0415
 
     from pepsi.terminal import console  # noqa: PLC0415
 
-    first = render(next(frames), config.dispatch.stats_interval, live=True)
+    stats_interval = config.dispatch.stats_interval
+    first = render(next(frames), stats_interval, live=True, warn_after=warn_after)
     with Live(first, console=console(), auto_refresh=False) as live:
         for item in frames:
-            live.update(render(item, config.dispatch.stats_interval, live=True), refresh=True)
+            live.update(
+                render(item, stats_interval, live=True, warn_after=warn_after), refresh=True
+            )
 
 
 def _rate(value: float | None) -> str:
@@ -140,7 +148,17 @@ def header(item: Frame) -> str:
         parts.append(f"rates over {format_duration(item.window)}")
     if item.counts_age >= 1.0:  # the queue is large: counted less often (see pepsi.admin.top)
         parts.append(f"queue counted {format_duration(item.counts_age)} ago")
+    if item.horizon is not None:
+        parts.append(horizon_part(item))
     return " · ".join(parts)
+
+
+def horizon_part(item: Frame) -> str:
+    """The header's part for the oldest transaction holding back vacuum."""
+    holder = item.horizon
+    assert holder is not None
+    who = f"pid {holder.pid}" if holder.pid is not None else f"prepared {holder.gid!r}"
+    return f"oldest transaction {format_duration(holder.age_s)} ({who})"
 
 
 def footer(stats_interval: float, *, live: bool) -> str:
@@ -157,7 +175,13 @@ RATE_HEADINGS = {"processed": "proc/s", "failed": "fail/s", "finished": "fin/s",
                  "advanced": "adv/s", "retries": "retry/s"}  # fmt: skip
 
 
-def render(item: Frame, stats_interval: float, *, live: bool = False) -> RenderableType:
+def render(
+    item: Frame,
+    stats_interval: float,
+    *,
+    live: bool = False,
+    warn_after: float = horizon.HORIZON_WARN_AFTER,
+) -> RenderableType:
     from rich.console import Group  # noqa: PLC0415
     from rich.text import Text  # noqa: PLC0415
 
@@ -182,8 +206,13 @@ def render(item: Frame, stats_interval: float, *, live: bool = False) -> Rendera
             str(row.retries),
         )
     body: RenderableType = grid if item.stages else Text("no stages: none configured, queue empty")
+    top = Text(header(item), style="bold")
+    warning = horizon.warning(item.horizon, warn_after)
+    if warning is not None:  # highlight the age in the header, and say what to do
+        top.highlight_words([horizon_part(item)], style="bold reverse red")
+        top.append("\n" + warning, style="bold red")
     return Group(
-        Text(header(item), style="bold"),
+        top,
         body,
         Text(footer(stats_interval, live=live), style="dim"),
     )

@@ -7,9 +7,8 @@ from typing import TYPE_CHECKING
 
 from pepsi.commands import summary
 from pepsi.db import connect
-from pepsi.errors import ConfigError
+from pepsi.errors import ConfigError, WorkerRefused
 from pepsi.worker import runtime
-from pepsi.worker.handlers import WorkerRefused
 
 if TYPE_CHECKING:
     from pepsi.commands import Context

@@ -1,22 +1,37 @@
-"""Which database Pepsi uses, and connecting to it with one-line errors.
+"""Which database Pepsi uses, and the one way every program connects to it.
 
 `PEPSI_DSN` in the environment wins, then `[pepsi-postgres] DSN`; with
 neither, the embedded server in DATA_DIR is started if needed and used.
+
+`connect()` and `connect_async()` are the only places a connection is
+opened (dispatcher, worker, publishers, bouncer, CLI): both apply
+CONNECT_TIMEOUT, the program's application name and its session settings
+(sent in the startup packet, so they cost no round trip), and turn a
+refusal into one domain error with one clear line (`pepsi.errors.classify`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import conninfo
 
-from pepsi.config import Config
-from pepsi.db.embedded import EmbeddedServer
-from pepsi.errors import DatabaseUnavailable
+from pepsi.config import Config, PostgresOptions
+from pepsi.errors import DatabaseBusy, DatabaseUnavailable, classify, one_line
 
 ENV_DSN = "PEPSI_DSN"
+# CONNECT_TIMEOUT's default (the config model is its one source), for callers without a config
+DEFAULT_TIMEOUT = PostgresOptions.connect_timeout
+
+if TYPE_CHECKING:  # a worker is given its DSN: it never imports the embedded server
+    from pepsi.db.embedded import EmbeddedServer
+
+Conn = psycopg.Connection[tuple[object, ...]]
+AsyncConn = psycopg.AsyncConnection[tuple[object, ...]]
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,8 @@ def resolve(config: Config) -> Target:
     dsn = configured_dsn(config)
     if dsn:
         return Target(dsn, None)
+    from pepsi.db.embedded import EmbeddedServer  # noqa: PLC0415  # only when there is no DSN
+
     server = EmbeddedServer(config.postgres.data_dir)
     return Target(server.start(), server)
 
@@ -56,26 +73,91 @@ def redact(dsn: str) -> str:
     return conninfo.make_conninfo(**params)  # type: ignore[arg-type]
 
 
+def connect_params(
+    dsn: str,
+    *,
+    application_name: str,
+    timeout: float,
+    settings: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The keyword arguments both connects give psycopg (and a pool's `kwargs`).
+
+    `settings` are run-time parameters (`synchronous_commit=off`) appended to
+    any `options` the DSN already has. ProgrammingError for a malformed DSN.
+    """
+    params: dict[str, Any] = {
+        "connect_timeout": max(1, round(timeout)),  # libpq takes whole seconds, 0 = forever
+        "application_name": application_name,
+    }
+    if settings:
+        given = conninfo.conninfo_to_dict(dsn).get("options")
+        extra = " ".join(f"-c {name}={_escape(str(value))}" for name, value in settings.items())
+        params["options"] = f"{given} {extra}" if given else extra
+    return params
+
+
+def _escape(value: str) -> str:
+    # libpq's options: a backslash escapes a space or a backslash.
+    return value.replace("\\", "\\\\").replace(" ", "\\ ")
+
+
 def connect(
-    dsn: str, *, autocommit: bool = True, timeout: float = 10.0, application_name: str = "pepsi"
-) -> psycopg.Connection[tuple[object, ...]]:
-    """Open a connection; DatabaseUnavailable with one clear line on failure."""
+    dsn: str,
+    *,
+    application_name: str = "pepsi",
+    timeout: float = DEFAULT_TIMEOUT,
+    autocommit: bool = True,
+    settings: Mapping[str, str] | None = None,
+) -> Conn:
+    """Open a connection; DatabaseUnavailable (exit 1) or DatabaseBusy (75) on failure."""
     try:
-        return psycopg.connect(
-            dsn,
-            autocommit=autocommit,
-            connect_timeout=max(1, round(timeout)),
-            application_name=application_name,
+        params = connect_params(
+            dsn, application_name=application_name, timeout=timeout, settings=settings
         )
-    except psycopg.ProgrammingError as exc:  # malformed DSN
-        raise DatabaseUnavailable(f"invalid database DSN: {one_line(exc)}") from None
-    except psycopg.OperationalError as exc:
-        raise DatabaseUnavailable(
-            f"cannot connect to the database ({redact(dsn)}): {one_line(exc)}"
-        ) from None
+        return psycopg.connect(dsn, autocommit=autocommit, **params)
+    except psycopg.Error as exc:
+        raise connect_error(exc, dsn) from None
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception's message folded onto one line."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return "; ".join(lines) if lines else type(exc).__name__
+async def connect_async(
+    dsn: str,
+    *,
+    application_name: str = "pepsi",
+    timeout: float = DEFAULT_TIMEOUT,
+    autocommit: bool = True,
+    settings: Mapping[str, str] | None = None,
+) -> AsyncConn:
+    """`connect()` for asyncio: the same parameters, the same errors."""
+    try:
+        params = connect_params(
+            dsn, application_name=application_name, timeout=timeout, settings=settings
+        )
+        return await psycopg.AsyncConnection.connect(dsn, autocommit=autocommit, **params)
+    except psycopg.Error as exc:
+        raise connect_error(exc, dsn) from None
+
+
+def connect_error(exc: psycopg.Error, dsn: str) -> DatabaseUnavailable:
+    """A failed connect as one line: DatabaseBusy at the connection limit, else unavailable."""
+    if isinstance(exc, psycopg.ProgrammingError):  # malformed DSN, unknown keyword
+        return DatabaseUnavailable(f"invalid database DSN: {one_line(exc)}")
+    text = f"cannot connect to the database ({redact(dsn)}): {one_line(exc)}"
+    if isinstance(classify(exc), DatabaseBusy):
+        return DatabaseBusy(text, sqlstate=exc.sqlstate)
+    return DatabaseUnavailable(text, sqlstate=exc.sqlstate)
+
+
+__all__ = [
+    "ENV_DSN",
+    "AsyncConn",
+    "Conn",
+    "Target",
+    "configured_dsn",
+    "connect",
+    "connect_async",
+    "connect_error",
+    "connect_params",
+    "one_line",
+    "redact",
+    "resolve",
+]

@@ -23,8 +23,8 @@ from typing import Any
 
 import psycopg
 
+from pepsi.admin.horizon import Probe
 from pepsi.config import Config
-from pepsi.db.connect import one_line
 from pepsi.dispatch import decisions, fairness
 from pepsi.dispatch.claimer import Claimer
 from pepsi.dispatch.flusher import StatsFlusher
@@ -32,12 +32,12 @@ from pepsi.dispatch.ledger import InFlight
 from pepsi.dispatch.listener import Listener
 from pepsi.dispatch.metrics import Gauges, MetricsServer, Snapshot
 from pepsi.dispatch.rows import RowWriter
-from pepsi.dispatch.session import AlreadyRunning, Session, SessionOptions, StopRequested
+from pepsi.dispatch.session import Session, SessionOptions, StopRequested
 from pepsi.dispatch.stats import Stats
 from pepsi.dispatch.supervisor import PoolOptions, PoolSupervisor
 from pepsi.dispatch.sweeper import Sweeper, SweepOptions
 from pepsi.dispatch.vacuum import Vacuum
-from pepsi.errors import EX_OK, ConfigError
+from pepsi.errors import EX_OK, AlreadyRunning, ConfigError, is_reconnect, one_line
 
 __all__ = ["AlreadyRunning", "Dispatcher"]
 
@@ -52,6 +52,7 @@ class Dispatcher:
         self, config: Config, dsn: str, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.config = config
+        self.dsn = dsn
         self.clock = clock
         self.wake_event = asyncio.Event()
         self.wake_causes: set[str] = set()  # since the loop last slept (P-9)
@@ -80,7 +81,7 @@ class Dispatcher:
             wake=self.wake,
             clock=clock,
         )
-        self.vacuum = Vacuum(dsn, options.vacuum_after)
+        self.vacuum = Vacuum(dsn, options.vacuum_after, config.postgres.connect_timeout)
 
     # ---- start and stop ---------------------------------------------------
 
@@ -130,7 +131,9 @@ class Dispatcher:
                 if self.rows:
                     await self.rows.flush(conn, self.clock())
                 await self.flusher.run_once(conn, final=True)
-            except psycopg.OperationalError:
+            except Exception as exc:
+                if not is_reconnect(exc):
+                    raise
                 log.error("could not requeue in-flight rows; the next start resets them")
 
     def _serve_metrics(self) -> MetricsServer | None:
@@ -138,7 +141,11 @@ class Dispatcher:
         if address is None:
             return None
         try:
-            server = MetricsServer(address, self._metrics_snapshot, list(self.supervisor.pools))
+            # the oldest transaction is read on the scrape's thread, on its own connection
+            horizon = Probe(self.dsn, timeout=min(self.config.postgres.connect_timeout, 5.0))
+            server = MetricsServer(
+                address, self._metrics_snapshot, list(self.supervisor.pools), horizon=horizon
+            )
         except OSError as exc:
             raise ConfigError(
                 f"cannot listen on {address[0]}:{address[1]}: {exc.strerror or exc}",
@@ -177,13 +184,14 @@ class Dispatcher:
         while not self.stopping:
             try:
                 await self.cycle()
-            except psycopg.OperationalError as exc:
-                log.warning("database connection lost: %s", one_line(exc))
-                self.rows.give_up_pauses(self.clock())
-                if await self.session.reconnect(self._restore):
-                    self.wake_event.set()
-                continue
-            except Exception:  # a bug must not strand every claimed row: log it, go on
+            except Exception as exc:
+                if is_reconnect(exc):  # lost, at the connection limit, or now a standby
+                    log.warning("database connection lost: %s", one_line(exc))
+                    self.rows.give_up_pauses(self.clock())
+                    if await self.session.reconnect(self._restore):
+                        self.wake_event.set()
+                    continue
+                # a bug must not strand every claimed row: log it, go on
                 log.exception("dispatcher cycle failed; continuing in %gs", BUG_PAUSE)
                 await asyncio.sleep(BUG_PAUSE)
                 continue

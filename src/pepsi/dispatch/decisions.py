@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pepsi.dispatch import pools
+from pepsi.durations import format_seconds
 from pepsi.errors import EX_CONFIG
 
 
@@ -139,7 +140,7 @@ def tend(workers: Sequence[WorkerFacts], rules: PoolRules, now: float) -> list[K
     actions: list[Kill | Stop] = []
     for w in live:
         if not w.ready and now - w.started_at > rules.ready_timeout:
-            actions.append(Kill(w.key, f"not ready after {rules.ready_timeout:.0f}s"))
+            actions.append(Kill(w.key, f"not ready after {format_seconds(rules.ready_timeout)}"))
         elif w.ready and w.inflight and _hung(w, rules.max_runtime, now):
             actions.append(
                 Kill(w.key, f"gave no answer within MAX_RUNTIME ({rules.max_runtime:g}s)", True)

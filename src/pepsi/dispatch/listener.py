@@ -11,11 +11,10 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-import psycopg
-
-from pepsi.db.connect import one_line
 from pepsi.db.queries import query
 from pepsi.dispatch.session import RECONNECT_FIRST, SessionOptions, backoff, connect
+from pepsi.durations import format_seconds
+from pepsi.errors import is_reconnect, one_line
 
 log = logging.getLogger("pepsi.dispatch")
 
@@ -32,10 +31,14 @@ class Listener:
         while True:
             try:
                 await self.run_once()
-            except psycopg.OperationalError as exc:
+            except Exception as exc:  # the listener must outlive any failure: it retries
                 if self.listening:  # it was up: the backoff starts again
                     self.listening, delay = False, RECONNECT_FIRST
-                log.warning("listener: %s; reconnecting in %.0fs", one_line(exc), delay)
+                wait = format_seconds(delay)
+                if is_reconnect(exc):
+                    log.warning("listener: %s; reconnecting in %s", one_line(exc), wait)
+                else:
+                    log.exception("listener failed; reconnecting in %s", wait)
                 await asyncio.sleep(delay)
                 delay = backoff(delay, self.options.reconnect_max)
 

@@ -2,10 +2,14 @@
 
 It exposes the P-9 counters since the dispatcher started (flushed or not:
 Prometheus computes rates itself and copes with a restart's reset) and a few
-gauges of the pools. Everything comes from the dispatcher's memory, so a
-scrape never touches the database. prometheus-client serves HTTP on its own
-thread; that thread asks the event loop for a snapshot rather than reading
-the loop's structures while they change.
+gauges of the pools. Those come from the dispatcher's memory: prometheus-client
+serves HTTP on its own thread, and that thread asks the event loop for a
+snapshot rather than reading the loop's structures while they change.
+
+One gauge needs the database: the age of the oldest transaction holding back
+vacuum (`pepsi.admin.horizon`). The scrape thread reads it on a short-lived
+connection of its own (`horizon.Probe`), never on the loop or its claim
+connection; when it cannot, the gauge is left out of that scrape.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from pepsi.admin.horizon import Holder
 from pepsi.dispatch.stats import OUTCOME_COUNTERS, WAKEUP_CAUSES, Counts
+from pepsi.errors import DatabaseUnavailable
 
 log = logging.getLogger("pepsi.dispatch")
 
@@ -150,14 +156,53 @@ class _LoopCollector(Collector):
             return []
 
 
+def horizon_families(holder: Holder | None) -> list[Metric]:
+    """The oldest transaction holding back vacuum: its age, and its backend's pid as a
+    value rather than a label (a label per pid would be a new series per session)."""
+    return [
+        GaugeMetricFamily(
+            "pepsi_oldest_transaction_age_seconds",
+            "Age of the oldest transaction holding back vacuum in the queue's database "
+            "(0: none); dead rows pile up behind it",
+            value=0.0 if holder is None else holder.age_s,
+        ),
+        GaugeMetricFamily(
+            "pepsi_oldest_transaction_pid",
+            "Backend pid of that transaction (0: none, or a prepared transaction)",
+            value=0 if holder is None or holder.pid is None else holder.pid,
+        ),
+    ]
+
+
+class _HorizonCollector(Collector):
+    """Reads the horizon on the scrape thread, on a connection of the reader's own."""
+
+    def __init__(self, read: Callable[[], Holder | None]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            return horizon_families(self.read())
+        except DatabaseUnavailable as exc:
+            log.warning("metrics: %s", exc)
+            return []
+
+
 class MetricsServer:
-    """The HTTP endpoint; `close` stops it."""
+    """The HTTP endpoint; `close` stops it. With `horizon` (a `pepsi.admin.horizon.Probe`),
+    a scrape also reports the oldest transaction holding back vacuum."""
 
     def __init__(
-        self, address: tuple[str, int], snapshot: Callable[[], Snapshot], stages: Sequence[str]
+        self,
+        address: tuple[str, int],
+        snapshot: Callable[[], Snapshot],
+        stages: Sequence[str],
+        horizon: Callable[[], Holder | None] | None = None,
     ) -> None:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_LoopCollector(asyncio.get_running_loop(), snapshot, stages))
+        if horizon is not None:
+            registry.register(_HorizonCollector(horizon))
         host, port = address
         # OSError (address in use, not an address of this host) is the caller's to report
         self._server: Any

@@ -19,6 +19,7 @@ import psycopg
 
 from pepsi.config import DispatchOptions
 from pepsi.db.queries import query
+from pepsi.durations import format_seconds
 
 log = logging.getLogger("pepsi.dispatch")
 
@@ -88,7 +89,7 @@ class RowWriter:
                          "reason": strike.reason, "delays": delays, "max_strikes": MAX_STRIKES},
                     )
                 ).fetchone()  # fmt: skip
-            except psycopg.OperationalError:
+            except BaseException:  # unwritten: it waits for the next flush
                 self.strikes.insert(0, strike)
                 raise
             n = int(row[0]) if row else 0
@@ -102,12 +103,12 @@ class RowWriter:
                 )
             elif n:
                 log.warning(
-                    "stage %s: message %d strike %d (%s); retry in %.0fs",
+                    "stage %s: message %d strike %d (%s); retry in %s",
                     strike.stage,
                     strike.wid,
                     n,
                     strike.reason,
-                    delays[n - 1],
+                    format_seconds(delays[n - 1]),
                 )
                 soonest = delays[n - 1] if soonest is None else min(soonest, delays[n - 1])
         pauses, self.pauses = self.pauses, []
@@ -122,22 +123,22 @@ class RowWriter:
                     {"ids": [p.wid for p in items], "stage": stage, "seconds": seconds,
                      "reason": "database connection lost while processing"},
                 )  # fmt: skip
-            except psycopg.OperationalError:
+            except BaseException:
                 self.pauses.extend(pauses)  # this stage's and those not yet written
                 raise
             pauses = [p for p in pauses if p.stage != stage]
             log.warning(
-                "stage %s: %d messages paused %.0fs (database connection lost)",
+                "stage %s: %d messages paused %s (database connection lost)",
                 stage,
                 len(items),
-                seconds,
+                format_seconds(seconds),
             )
             soonest = seconds if soonest is None else min(soonest, seconds)
         while self.requeues:
             stage, ids = self.requeues.popitem()
             try:
                 await conn.execute(query("workqueue_requeue_running"), {"ids": ids, "stage": stage})
-            except psycopg.OperationalError:
+            except BaseException:
                 self.requeues[stage].extend(ids)
                 raise
         return soonest

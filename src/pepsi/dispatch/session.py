@@ -20,19 +20,17 @@ import psycopg
 
 from pepsi.config import Config
 from pepsi.db import schema
-from pepsi.db.connect import one_line
+from pepsi.db.connect import connect as connect_sync
+from pepsi.db.connect import connect_async
 from pepsi.db.queries import query
-from pepsi.errors import DatabaseUnavailable, PepsiError
+from pepsi.durations import format_seconds
+from pepsi.errors import AlreadyRunning, DatabaseUnavailable, classify
 
 log = logging.getLogger("pepsi.dispatch")
 AConn = psycopg.AsyncConnection[tuple[Any, ...]]
 
 LOCK_RETRY = 0.5  # seconds between tries for a held lock
 RECONNECT_FIRST = 1.0  # the first reconnect delay; it doubles up to RECONNECT_MAX_DELAY
-
-
-class AlreadyRunning(PepsiError):
-    """Another dispatcher holds the singleton lock."""
 
 
 class StopRequested(Exception):
@@ -58,13 +56,8 @@ class SessionOptions:
 
 
 async def connect(dsn: str, application_name: str, timeout: float) -> AConn:
-    """One of the dispatcher's connections (autocommit); OperationalError if refused."""
-    return await psycopg.AsyncConnection.connect(
-        dsn,
-        autocommit=True,
-        application_name=application_name,
-        connect_timeout=max(1, round(timeout)),
-    )
+    """One of the dispatcher's connections (autocommit); DatabaseUnavailable if refused."""
+    return await connect_async(dsn, application_name=application_name, timeout=timeout)
 
 
 def backoff(delay: float, cap: float) -> float:
@@ -113,10 +106,11 @@ class Session:
                 return True
             except StopRequested:
                 return False
-            except DatabaseUnavailable as exc:
-                log.warning("%s; retrying in %.0fs", exc, delay)
-            except psycopg.OperationalError as exc:
-                log.warning("database: %s; retrying in %.0fs", one_line(exc), delay)
+            except (DatabaseUnavailable, psycopg.Error) as exc:
+                error = classify(exc)
+                if error is None:  # not the connection's fault: a bug, not a retry
+                    raise
+                log.warning("%s; retrying in %s", error, format_seconds(delay))
             await self.close()  # a connection that failed its restore is not kept
             await asyncio.sleep(delay)
             delay = backoff(delay, self.options.reconnect_max)
@@ -136,10 +130,7 @@ class Session:
 
     async def _connect_locked(self, *, initial: bool) -> AConn:
         options = self.options
-        try:
-            conn = await connect(options.dsn, "pepsi-dispatch", options.connect_timeout)
-        except psycopg.OperationalError as exc:
-            raise DatabaseUnavailable(f"cannot connect to the database: {one_line(exc)}") from None
+        conn = await connect(options.dsn, "pepsi-dispatch", options.connect_timeout)
         deadline = self.clock() + options.lock_wait
         announced = False
         while True:
@@ -163,7 +154,7 @@ class Session:
 
 def _require_schema(dsn: str) -> None:
     """The start-up schema check (P-13), on a short-lived sync connection."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with connect_sync(dsn, application_name="pepsi-dispatch") as conn:
         schema.require_current(conn)
 
 

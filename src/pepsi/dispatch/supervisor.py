@@ -24,6 +24,7 @@ from pepsi.dispatch import backpressure, decisions, pools
 from pepsi.dispatch.ledger import Claimed, InFlight
 from pepsi.dispatch.stats import Stats
 from pepsi.dispatch.workers import WorkerProcess, resolve_program
+from pepsi.durations import format_seconds
 from pepsi.protocol import StatusLine
 
 log = logging.getLogger("pepsi.dispatch")
@@ -266,7 +267,7 @@ class PoolSupervisor:
         if halved is not None:
             log.warning(
                 "stage %s: worker out of database connections (75); stage %s limited to %d "
-                "workers for %.0fs", stage, halved, self.caps[halved].workers, window,
+                "workers for %s", stage, halved, self.caps[halved].workers, format_seconds(window),
             )  # fmt: skip
 
     def deadlines(self) -> list[float]:
@@ -335,8 +336,8 @@ class PoolSupervisor:
                 self.ledger.requeue(stage, requeue)
                 log.error(
                     "stage %s: worker pid %s died before ready: %s; %d messages requeued, "
-                    "retrying in %.0fs", stage, pid, cause, len(requeue),
-                    self.options.start_cooldown,
+                    "retrying in %s", stage, pid, cause, len(requeue),
+                    format_seconds(self.options.start_cooldown),
                 )  # fmt: skip
                 self._cool_down(pool)
             case decisions.Struck(wid, kind, requeue):

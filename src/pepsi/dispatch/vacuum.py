@@ -23,8 +23,9 @@ from typing import Any
 
 import psycopg
 
-from pepsi.db.connect import one_line
+from pepsi.db.connect import connect_async
 from pepsi.db.queries import query
+from pepsi.errors import DatabaseUnavailable, one_line
 
 log = logging.getLogger("pepsi.dispatch")
 AConn = psycopg.AsyncConnection[tuple[Any, ...]]
@@ -36,6 +37,7 @@ class Vacuum:
 
     dsn: str
     after: int
+    connect_timeout: float  # [pepsi-postgres] CONNECT_TIMEOUT
     started_at: int = 0  # the pass count when the last run started
     runs: int = 0
     task: asyncio.Task[None] | None = None
@@ -54,7 +56,7 @@ class Vacuum:
         try:
             seconds = await self.run_once()
             log.debug("vacuumed the queue tables in %.0f ms", seconds * 1000)
-        except psycopg.Error as exc:  # the next run reconnects; the loop carries on
+        except (psycopg.Error, DatabaseUnavailable) as exc:  # the next run reconnects
             log.warning("vacuum of the queue tables failed: %s", one_line(exc))
             await self._close_connection()
         finally:
@@ -63,8 +65,8 @@ class Vacuum:
     async def run_once(self) -> float:
         """One VACUUM of the queue tables; its duration in seconds."""
         if self.conn is None or self.conn.closed:
-            self.conn = await psycopg.AsyncConnection.connect(
-                self.dsn, autocommit=True, application_name="pepsi-dispatch-vacuum"
+            self.conn = await connect_async(
+                self.dsn, application_name="pepsi-dispatch-vacuum", timeout=self.connect_timeout
             )
         started = time.monotonic()
         # a utility statement: never prepared

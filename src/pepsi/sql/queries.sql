@@ -313,10 +313,6 @@ NOTIFY workqueue;
 -- name: workqueue_listen
 LISTEN workqueue;
 
--- name: session_synchronous_commit_off
--- W-2: a lost advance only repeats a stage, so workers commit without waiting.
-SET synchronous_commit = off;
-
 -- name: server_version
 SHOW server_version;
 
@@ -342,3 +338,28 @@ LEFT JOIN LATERAL (
 SELECT application_name, count(*) FROM pg_stat_activity
 WHERE datname = current_database() AND application_name LIKE 'pepsi-worker:%'
 GROUP BY 1;
+
+-- name: activity_oldest_horizon
+-- The oldest transaction of this database holding back vacuum's horizon (admin/horizon.py):
+-- a session with a transaction id or a snapshot (idle in transaction, a long query) or a
+-- prepared transaction. No row: nothing holds it. Other users' sessions show only to a
+-- superuser or a member of pg_read_all_stats.
+SELECT kind, age_s, pid, usename, application_name, client, state, gid FROM (
+    SELECT 'session' AS kind, extract(epoch FROM now() - xact_start)::float8 AS age_s, pid,
+           usename::text, application_name,
+           coalesce(host(client_addr) || ':' || client_port, 'local') AS client,
+           state, NULL::text AS gid
+    FROM pg_stat_activity
+    WHERE datname = current_database() AND pid <> pg_backend_pid()
+      AND backend_type = 'client backend' AND xact_start IS NOT NULL
+      AND (backend_xid IS NOT NULL OR backend_xmin IS NOT NULL)
+      -- a lazy VACUUM's snapshot does not hold back other vacuums (the dispatcher's own)
+      AND pid NOT IN (SELECT pid FROM pg_stat_progress_vacuum)
+    UNION ALL
+    SELECT 'prepared', extract(epoch FROM now() - prepared)::float8, NULL, owner::text,
+           NULL, NULL, NULL, gid
+    FROM pg_prepared_xacts
+    WHERE database = current_database()
+) AS holders
+ORDER BY age_s DESC
+LIMIT 1;

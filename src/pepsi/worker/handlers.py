@@ -7,16 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 from pepsi.config import StageConfig
-from pepsi.errors import EX_CONFIG, ConfigError
+from pepsi.errors import WorkerRefused
 from pepsi.stage import Message
 
 StageFunc = Callable[[Message], Any]
-
-
-class WorkerRefused(ConfigError):
-    """The worker cannot run this stage as configured: exit 78 before ready."""
-
-    exit_code = EX_CONFIG
 
 
 def load_handler(stage: StageConfig) -> StageFunc:

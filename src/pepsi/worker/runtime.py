@@ -21,16 +21,14 @@ import sys
 from functools import partial
 from typing import Any
 
-import psycopg
 from psycopg.types.json import set_json_loads
 
 from pepsi.config import Config, StageConfig, read_overlay, with_overlay
 from pepsi.db import schema
-from pepsi.db.connect import one_line
-from pepsi.db.queries import query
-from pepsi.errors import EX_IOERR, ConfigError, DatabaseUnavailable, database_exit_code
+from pepsi.db.connect import DEFAULT_TIMEOUT, connect
+from pepsi.errors import ConfigError, DatabaseBusy, DatabaseLost, DatabaseUnavailable, WorkerRefused
 from pepsi.protocol import READY
-from pepsi.worker.handlers import StageFunc, WorkerRefused, load_handler
+from pepsi.worker.handlers import StageFunc, load_handler
 from pepsi.worker.messages import Conn
 from pepsi.worker.reader import IdReader
 from pepsi.worker.runner import StageRunner
@@ -46,6 +44,7 @@ def run(config: Config, stage_name: str, dsn: str) -> int:
         dsn,
         stage_name,
         synchronous_commit=config.postgres.worker_synchronous_commit,
+        timeout=config.postgres.connect_timeout,
     )
     conn = open_connection()
     with conn:
@@ -89,17 +88,20 @@ def _loads_json(data: bytes | str) -> Any:
     return json.loads(data)
 
 
-def connect_worker(dsn: str, stage_name: str, *, synchronous_commit: bool) -> Conn:
-    """The worker's connection; a refused one says whether to answer 74 or 75."""
+def connect_worker(
+    dsn: str, stage_name: str, *, synchronous_commit: bool, timeout: float = DEFAULT_TIMEOUT
+) -> Conn:
+    """The worker's connection; a refused one is DatabaseBusy (75) or DatabaseLost (74)."""
+    settings = None if synchronous_commit else {"synchronous_commit": "off"}
     try:
-        conn = psycopg.connect(dsn, autocommit=True, application_name=f"pepsi-worker:{stage_name}")
-    except psycopg.Error as exc:
-        error = DatabaseUnavailable(f"cannot connect to the database: {one_line(exc)}")
-        error.exit_code = database_exit_code(exc) or EX_IOERR
-        raise error from None
+        conn = connect(
+            dsn, application_name=f"pepsi-worker:{stage_name}", timeout=timeout, settings=settings
+        )
+    except DatabaseBusy:
+        raise
+    except DatabaseUnavailable as exc:  # to the dispatcher, no database is a lost one (74)
+        raise DatabaseLost(str(exc), sqlstate=exc.sqlstate) from None
     set_json_loads(_loads_json, conn)
-    if not synchronous_commit:
-        conn.execute(query("session_synchronous_commit_off"))
     return conn
 
 
