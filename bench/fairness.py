@@ -95,7 +95,7 @@ def throughput(dsn: str, fair: bool, tmp: Path, messages: int = 5000) -> float:
     run = Run(dsn, conf(fair), tmp)
     try:
         run.warm("only")
-        batch = [OutgoingMessage("only", user=f"sender{i % 100}") for i in range(messages)]
+        batch = [OutgoingMessage("only", origin_user=f"sender{i % 100}") for i in range(messages)]
         start = time.perf_counter()
         run.publisher.publish_many(batch)
         run.drain()
@@ -108,9 +108,9 @@ def lone_wait(dsn: str, fair: bool, tmp: Path, burst: int = 10_000) -> float:
     run = Run(dsn, conf(fair), tmp)
     try:
         run.warm("only")
-        run.publisher.publish_many([OutgoingMessage("only", user="bulk")] * burst)
+        run.publisher.publish_many([OutgoingMessage("only", origin_user="bulk")] * burst)
         start = time.perf_counter()
-        (lone,) = run.publisher.publish_many([OutgoingMessage("only", user="alice")])
+        (lone,) = run.publisher.publish_many([OutgoingMessage("only", origin_user="alice")])
         while run.db.execute(
             "SELECT 1 FROM pepsi.workqueue WHERE workqueue_id = %s", (lone,)
         ).fetchone():

@@ -52,7 +52,7 @@ class Run:
         self.conf.write_text(conf_text)
         self.config = load_config(self.conf)
         self.db = psycopg.connect(dsn, autocommit=True)
-        self.publisher = Publisher(self.config, dsn)
+        self.publisher = Publisher.connect(self.config, dsn)
         env = {**os.environ, "PEPSI_DSN": dsn, "PYTHONPATH": f"{HERE}{os.pathsep}{REPO / 'src'}"}
         self.log = tmp / "dispatch.log"
         with self.log.open("ab") as log:

@@ -516,7 +516,7 @@ class Pepsi(Contestant):
         self.conf = self.shared.tmp / f"{self.dbname}.conf"
         self.conf.write_text(self.conf_text)
         self.config: Config = load_config(self.conf)
-        self.publisher = Publisher(self.config, self.dsn)
+        self.publisher = Publisher.connect(self.config, self.dsn)
         self.db = psycopg.connect(self.dsn, autocommit=True)
         if workload in {"drain", "drain3", "latency", "fairness", "sustained"}:
             argv = [sys.executable, "-m", "pepsi", "-c", str(self.conf), "dispatch", "serve"]
@@ -527,7 +527,8 @@ class Pepsi(Contestant):
     def messages(self, n: int, body: bytes | None = None) -> list[OutgoingMessage]:
         if self.senders:
             return [
-                OutgoingMessage(self.first, body, user=f"u{i % self.senders}") for i in range(n)
+                OutgoingMessage(self.first, body, origin_user=f"u{i % self.senders}")
+                for i in range(n)
             ]
         return [OutgoingMessage(self.first, body)] * n
 

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pepsi.errors import ConfigError, PepsiError
+from pepsi.config import Config, load_config
+from pepsi.errors import (
+    ConfigError,
+    DatabaseBusy,
+    DatabaseLost,
+    DatabaseReadOnly,
+    DatabaseUnavailable,
+    PepsiError,
+    SchemaMismatch,
+)
 from pepsi.stage import (
     Advance,
     Finish,
@@ -16,19 +25,40 @@ from pepsi.stage import (
     stage,
 )
 
+if TYPE_CHECKING:  # mypy sees the real types; at run time they load on first use
+    from pepsi.publishing import (
+        AsyncPublisher,
+        InvalidMessage,
+        NoRoute,
+        NotConfirmed,
+        NotOpen,
+        OutgoingMessage,
+        Pipeline,
+        Publisher,
+        PublishFailed,
+        Rejected,
+        SyncPipeline,
+    )
+
 __version__ = "0.1.0"
 
 # The publishing names load psycopg_pool: imported on first use, so that a
 # worker process (which imports this package) starts faster.
-_PUBLISHING = {
-    "AsyncPublisher",
-    "InvalidMessage",
-    "NoRoute",
-    "NotConfirmed",
-    "OutgoingMessage",
-    "Publisher",
-    "Rejected",
-}
+_PUBLISHING = frozenset(
+    {
+        "AsyncPublisher",
+        "InvalidMessage",
+        "NoRoute",
+        "NotConfirmed",
+        "NotOpen",
+        "OutgoingMessage",
+        "Pipeline",
+        "PublishFailed",
+        "Publisher",
+        "Rejected",
+        "SyncPipeline",
+    }
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -42,20 +72,31 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Advance",
     "AsyncPublisher",
+    "Config",
     "ConfigError",
+    "DatabaseBusy",
+    "DatabaseLost",
+    "DatabaseReadOnly",
+    "DatabaseUnavailable",
     "Finish",
     "InvalidMessage",
     "Message",
     "Needs",
     "NoRoute",
     "NotConfirmed",
+    "NotOpen",
     "Outcome",
     "OutgoingMessage",
     "Pause",
     "PepsiError",
     "PermanentError",
+    "Pipeline",
+    "PublishFailed",
     "Publisher",
     "Rejected",
+    "SchemaMismatch",
+    "SyncPipeline",
     "__version__",
+    "load_config",
     "stage",
 ]

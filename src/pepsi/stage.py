@@ -2,7 +2,7 @@
 
     from pepsi import Message, PermanentError, stage
 
-    @stage()                      # metadata only: the batched, bodyless path
+    @stage                        # metadata only: the batched, bodyless path
     def route(msg: Message) -> None:
         msg.state["routed"] = True  # state is written back with the outcome
         # returning None advances to NEXT (or finishes at the last stage)
@@ -19,11 +19,12 @@ Any other exception is a host failure: the message is paused and retried
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from pepsi.config import StageConfig
 from pepsi.errors import PepsiError
@@ -63,9 +64,25 @@ F = TypeVar("F", bound=Callable[..., Any])
 STAGE_ATTRIBUTE = "__pepsi_needs__"
 
 
-def stage(needs: Needs | str = Needs.METADATA) -> Callable[[F], F]:
-    """Declare a function a Pepsi stage and what it needs loaded."""
-    wanted = Needs(needs)
+@overload
+def stage(func: F, /) -> F: ...
+@overload
+def stage(needs: Needs | str = Needs.METADATA, /) -> Callable[[F], F]: ...
+@overload
+def stage(*, needs: Needs | str = Needs.METADATA) -> Callable[[F], F]: ...
+
+
+def stage(
+    func_or_needs: Any = Needs.METADATA, /, needs: Needs | str | None = None
+) -> Callable[[F], F] | Any:
+    """Declare a function a Pepsi stage and what it needs loaded.
+
+    Bare `@stage` (metadata only), `@stage()` and `@stage(needs="body")` all work.
+    """
+    if callable(func_or_needs) and needs is None:  # bare @stage: handed the function
+        setattr(func_or_needs, STAGE_ATTRIBUTE, Needs.METADATA)
+        return func_or_needs
+    wanted = Needs(func_or_needs if needs is None else needs)
 
     def mark(func: F) -> F:
         setattr(func, STAGE_ATTRIBUTE, wanted)
@@ -126,6 +143,20 @@ class Message:
         """The body (loaded on first access if the stage did not declare it)."""
         self._load()
         return self._body
+
+    def json(self) -> Any:
+        """The body decoded as JSON (as `publish(..., json=obj)` sent it).
+
+        A body that is missing or not JSON raises `PermanentError`: such a
+        message can never succeed at a stage that expects JSON.
+        """
+        body = self.body
+        if body is None:
+            raise PermanentError("message has no body (expected JSON)")
+        try:
+            return json.loads(body)
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both are
+            raise PermanentError(f"body is not JSON: {exc}") from None
 
     @property
     def redelivered(self) -> bool:

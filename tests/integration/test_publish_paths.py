@@ -3,6 +3,8 @@ general path (`workqueue_publish`) write the same rows."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -10,9 +12,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from pepsi.config import Config, load_config
-from pepsi.publishing import OutgoingMessage, Publisher, batch
+from pepsi.publishing import InvalidMessage, OutgoingMessage, Publisher, Rejected, batch
+from tests.unit import test_message_fuzz as fuzz
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -119,9 +123,9 @@ def test_every_field_travels_through_the_arrays(pub: Publisher, conn: Conn) -> N
     odd = 'a"b\\c,{d}NULL@x.org'  # quotes, a backslash, a comma and braces in an address
     msg = OutgoingMessage(
         "inbound", b"b", header=b"h", sender="s@example.org",
-        recipients=(odd, "NULL@y.org", "z@y.org"), user="alice", peer="2001:DB8::7",
+        recipients=(odd, "NULL@y.org", "z@y.org"), origin_user="alice", origin_peer="2001:DB8::7",
         message_id="m-1", header_from="A <a@x>", subject="", content_type="text/plain",
-        correlation_id="c-1", headers={"k": [1, "two"], "n": None}, expires=when,
+        correlation_id="c-1", properties={"k": [1, "two"], "n": None}, expires=when,
     )  # fmt: skip
     bare = OutgoingMessage("other", recipients=("r@example.net",), expires=60.0)
     ids = pub.publish_many([msg, bare])
@@ -164,3 +168,55 @@ def test_fast_paths_force_a_synchronous_commit(pub: Publisher, dsn: str) -> None
             pub.publish_many(PLAIN, connection=caller)
             row = caller.execute("SHOW synchronous_commit").fetchone()
             assert row == ("on",)
+
+
+# -- what validation lets through, PostgreSQL takes (issue 13) -----------------------------
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(fuzz.any_fields)
+def test_every_message_validation_accepts_is_stored(
+    pub: Publisher, given_fields: dict[str, Any]
+) -> None:
+    try:
+        msg = OutgoingMessage("inbound", **given_fields)
+        batch.build([msg], pub.config)
+    except InvalidMessage:
+        return
+    try:
+        pub.publish_many([msg])
+    except (InvalidMessage, Rejected):  # MAX_MESSAGE_SIZE is the config's, not the fuzzer's
+        return
+
+
+def _cli(conf: Path, dsn: str, *args: str | bytes) -> subprocess.CompletedProcess[bytes]:
+    exe = Path(sys.executable).parent / "pepsi"
+    return subprocess.run(
+        [exe, "-c", conf, "ingress", "--stage", "inbound", *args],
+        input=b"body", env={"PEPSI_DSN": dsn, "PATH": "/usr/bin:/bin"},
+        capture_output=True, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        ((b"--sender", b"\xff@x.org"), b"sender is not encodable as UTF-8 text"),
+        ((b"--recipient", b"a@\xfe.org"), b"recipient is not encodable as UTF-8 text"),
+        ((b"--subject", b"\xc3("), b"subject is not encodable as UTF-8 text"),
+        (("--expires", "99999999999999999999999h"), b"expires is too far in the future"),
+    ],
+)
+def test_the_cli_refuses_bad_fields_in_one_line(
+    tmp_path: Path, dsn: str, args: tuple[str | bytes, ...], problem: bytes
+) -> None:
+    conf = tmp_path / "pepsi.conf"
+    conf.write_text(CONF)
+    done = _cli(conf, dsn, *args)
+    assert done.returncode == 65, done.stderr
+    assert problem in done.stderr
+    assert done.stderr.count(b"\n") == 1  # one line, no traceback

@@ -18,12 +18,16 @@ import pytest
 from psycopg import conninfo
 
 from pepsi.config import load_config
+from pepsi.errors import DatabaseBusy, DatabaseLost, DatabaseUnavailable, SchemaMismatch
 from pepsi.publishing import (
     AsyncPublisher,
     InvalidMessage,
     NoRoute,
+    NotConfirmed,
+    NotOpen,
     OutgoingMessage,
     Publisher,
+    PublishFailed,
     Rejected,
 )
 from tests.scenarios.conftest import REPO, wait_until
@@ -83,13 +87,13 @@ def test_publish_is_committed_with_everything_it_carries(pub: Publisher, conn: C
         header=b"Subject: hi\r\n",
         sender="a@example.org",
         recipients=["b@example.net", "c@example.net"],
-        peer="2001:db8::1",
+        origin_peer="2001:db8::1",
         message_id="m-1",
         subject="hi",
         header_from="A <a@example.org>",
         content_type="text/plain",
         correlation_id="c-9",
-        headers={"priority": 3},
+        properties={"priority": 3},
     )
     row = conn.execute(
         "SELECT stage, status::text, sender, recipients, host(origin_peer), message_id, subject,"
@@ -135,7 +139,7 @@ def test_batch_is_one_transaction_one_notify_few_round_trips(
 
         config = load_config(conf)
         before = xacts()
-        Publisher(config, dsn).close()
+        Publisher.connect(config, dsn).close()
         baseline = xacts() - before
         before = xacts()
         with Publisher(config, dsn) as publisher:
@@ -244,9 +248,9 @@ def test_no_route(pub: Publisher, conn: Conn) -> None:
         ({"sender": b"\xff@x.org"}, "sender is not UTF-8"),
         ({"recipients": ["ok@x.org", "bad"]}, "recipient is not an address"),
         ({"recipients": "a@x.org"}, "recipients must be a list"),
-        ({"peer": "300.1.1.1"}, "peer is not an IP address"),
+        ({"origin_peer": "300.1.1.1"}, "origin_peer is not an IP address"),
         ({"body": b"x" * 5000}, "over the limit of 4096"),
-        ({"headers": {"x": object()}}, "headers are not JSON"),
+        ({"properties": {"x": object()}}, "properties are not JSON"),
         ({"dedup": True}, "dedup=True needs a message_id"),
         ({"expires": datetime(2030, 1, 1)}, "timezone-aware"),
         ({"expires": -5}, "seconds > 0"),
@@ -398,7 +402,7 @@ def test_killed_producer_leaves_only_whole_confirmed_batches(
             confirmed += [int(line) for line in proc.stdout]
             proc.wait()
         first = (max(confirmed) + 1000) if confirmed else 1000 * (_ + 1)
-    per_batch = dict(
+    per_batch: dict[int, int] = dict(
         conn.execute(
             "SELECT (properties->>'batch')::int, count(*) FROM pepsi.workqueue GROUP BY 1"
         ).fetchall()
@@ -406,3 +410,119 @@ def test_killed_producer_leaves_only_whole_confirmed_batches(
     assert confirmed, "the producer confirmed nothing before it was killed"
     assert all(per_batch.get(b) == 50 for b in confirmed)  # every confirmed batch, whole
     assert set(per_batch.values()) == {50}  # and no partial batch anywhere
+
+
+# -- lifecycle, the sync pipeline and refresh, domain errors (issue 13) --------------------
+
+
+def test_constructors_do_no_io_and_an_unopened_publisher_says_so(conf: Path) -> None:
+    config = load_config(conf)
+    unreachable = "postgresql://nobody@127.0.0.1:1/none?connect_timeout=1"
+    publisher = Publisher(config, unreachable)  # psycopg's pools: no I/O in a constructor
+    with pytest.raises(NotOpen, match=r"use Publisher\.connect\(\), open\(\) or a with block"):
+        publisher.publish("inbound", b"x")
+    publisher.close()
+
+    async def unopened() -> None:
+        apub = AsyncPublisher(config, unreachable)
+        with pytest.raises(NotOpen, match="AsyncPublisher is not open"):
+            await apub.publish("inbound", b"x")
+        await apub.close()
+
+    asyncio.run(unopened())
+
+
+def test_open_failures_are_domain_errors(conf: Path, dsn: str, admin_dsn: str) -> None:
+    config = load_config(replace_timeout(conf))
+    with (
+        pytest.raises(DatabaseUnavailable, match="cannot connect to the database"),
+        Publisher(config, "postgresql://nobody@127.0.0.1:1/none"),
+    ):
+        pass
+    with pytest.raises(SchemaMismatch):  # the server's own database has no pepsi schema
+        Publisher.connect(config, admin_dsn)
+
+    async def unreachable() -> None:
+        with pytest.raises(DatabaseUnavailable):
+            async with AsyncPublisher(config, "postgresql://nobody@127.0.0.1:1/none"):
+                pass
+
+    asyncio.run(unreachable())
+
+
+def replace_timeout(conf: Path) -> Path:
+    conf.write_text(conf.read_text() + "[pepsi-postgres]\nCONNECT_TIMEOUT = 1s\n")
+    return conf
+
+
+def test_async_with_opens_the_async_publisher(conf: Path, dsn: str, conn: Conn) -> None:
+    async def scenario() -> int:
+        async with AsyncPublisher(load_config(conf), dsn) as pub:
+            return await pub.publish("inbound", json={"n": 1})
+
+    wid = asyncio.run(scenario())
+    assert conn.execute(
+        "SELECT content_type FROM pepsi.workqueue WHERE workqueue_id = %s", (wid,)
+    ).fetchone() == ("application/json",)
+
+
+def test_sync_refresh_sees_a_stage_added_in_the_database(pub: Publisher, conn: Conn) -> None:
+    assert "late" not in pub.config.stages
+    conn.execute(
+        "INSERT INTO pepsi.config_override (section, key, value)"
+        " VALUES ('stage-late', 'HANDLER', 'tests.stages:noop')"
+    )
+    pub.refresh()
+    assert "late" in pub.config.stages
+
+
+def test_sync_pipeline_bounds_batches_and_refuses_at_submit(pub: Publisher, conn: Conn) -> None:
+    with pub.pipeline(max_outstanding=10, max_batch=4) as pipe:
+        futures = [pipe.submit(OutgoingMessage("inbound", str(i))) for i in range(100)]
+        assert pipe.outstanding <= 10
+        with pytest.raises(NoRoute):
+            pipe.submit(OutgoingMessage("nowhere"))
+        with pytest.raises(InvalidMessage):
+            pipe.submit(OutgoingMessage("inbound", sender="not an address"))
+        pipe.flush()
+        assert pipe.outstanding == 0
+        ids = [f.result(timeout=0) for f in futures]
+    assert len(set(ids)) == 100
+    assert count(conn) == 100
+    with pub.pipeline() as pipe:  # a refused batch fails its futures
+        futures = [pipe.submit(OutgoingMessage("small")) for _ in range(6)]
+    refused = [f.exception(timeout=0) for f in futures]
+    assert any(isinstance(e, Rejected) for e in refused)
+    accepted = sum(e is None for e in refused)
+    assert count(conn, "stage = 'small'") == accepted <= 5
+
+
+def test_database_errors_reach_the_caller_as_domain_errors(
+    pub: Publisher, dsn: str, conn: Conn
+) -> None:
+    with psycopg.connect(dsn) as caller:  # the outbox on an aborted transaction
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            caller.execute("SELECT 1/0")
+        with pytest.raises(PublishFailed, match="transaction is aborted") as failed:
+            pub.publish("inbound", b"x", connection=caller)
+        assert failed.value.sqlstate == "25P02"
+        caller.rollback()
+    with psycopg.connect(dsn, autocommit=True) as caller:  # its session ended under it
+        pid = caller.info.backend_pid
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        with pytest.raises(NotConfirmed) as lost:
+            pub.publish("inbound", b"x", connection=caller)
+        assert isinstance(lost.value, DatabaseLost)
+        assert lost.value.exit_code == 74
+
+
+def test_no_free_connection_within_connect_timeout_is_database_busy(conf: Path, dsn: str) -> None:
+    conf.write_text(CONF + "[pepsi-postgres]\nPOOL_MIN_SIZE = 1\nPOOL_MAX_SIZE = 1\n"
+                    "CONNECT_TIMEOUT = 1s\n")  # fmt: skip
+    with (
+        Publisher.connect(conf, dsn) as publisher,
+        publisher.pool.connection(),  # the only connection, held
+        pytest.raises(DatabaseBusy, match="no database connection available") as busy,
+    ):
+        publisher.publish("inbound", b"x")
+    assert busy.value.exit_code == 75

@@ -11,7 +11,7 @@ with Publisher(load_config(conf), dsn) as publisher:
     batch = first
     while True:
         publisher.publish_many(
-            OutgoingMessage("inbound", b"x" * 1024, headers={"batch": batch}) for _ in range(50)
+            OutgoingMessage("inbound", b"x" * 1024, properties={"batch": batch}) for _ in range(50)
         )
         print(batch, flush=True)  # printed only after the commit returned: confirmed
         batch += 1

@@ -104,9 +104,7 @@ class Pipeline:
     def publish(self, stage: str, count: int = 1, **kw: Any) -> list[int]:
         """Publish `count` copies through the real publisher, 1 000 per transaction."""
         if self.publisher is None:
-            self.publisher = Publisher(load_config(self.conf), self.dsn)
-        if "properties" in kw:
-            kw["headers"] = kw.pop("properties")
+            self.publisher = Publisher.connect(load_config(self.conf), self.dsn)
         if "recipients" in kw:
             kw["recipients"] = tuple(kw["recipients"])
         msg = OutgoingMessage(stage, kw.pop("body", None), **kw)

@@ -26,6 +26,11 @@ from pepsi.publishing import InvalidMessage, OutgoingMessage
 if TYPE_CHECKING:
     from pepsi.publishing.client import Publisher
 
+JSON_RENAMED: dict[str, str] = {
+    "user": "origin_user",
+    "peer": "origin_peer",
+    "headers": "properties",
+}
 JSON_FIELDS = {
     "stage", "body", "body_base64", "header", "header_base64", "sender", "recipients", "user",
     "peer", "message_id", "dedup", "header_from", "subject", "content_type", "correlation_id",
@@ -109,11 +114,11 @@ def _common(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError as exc:
             raise _Usage(f"--expires: {exc}") from None
     return {
-        "sender": args.sender, "recipients": tuple(args.recipients), "user": args.user,
-        "peer": args.peer, "message_id": args.message_id, "dedup": args.dedup,
+        "sender": args.sender, "recipients": tuple(args.recipients), "origin_user": args.user,
+        "origin_peer": args.peer, "message_id": args.message_id, "dedup": args.dedup,
         "subject": args.subject, "header_from": args.header_from,
         "content_type": args.content_type, "correlation_id": args.correlation_id,
-        "headers": properties, "expires": expires,
+        "properties": properties, "expires": expires,
     }  # fmt: skip
 
 
@@ -142,7 +147,8 @@ def from_json_line(
         if not isinstance(item["recipients"], list):
             raise InvalidMessage(f"line {number}: recipients must be a list")
         item["recipients"] = tuple(item["recipients"])
-    fields.update(item)
+    # A line keeps the field names it always had; OutgoingMessage's are the new ones.
+    fields.update({JSON_RENAMED.get(key) or key: value for key, value in item.items()})
     target = fields.pop("stage", None) or stage
     if not target:
         raise InvalidMessage(f'line {number}: no stage (give --stage or a "stage" field)')

@@ -4,29 +4,39 @@
 
     with Publisher.connect("pepsi.conf") as pub:
         wid = pub.publish("inbound", b"body", sender="a@example.org", recipients=["b@x.org"])
+        pub.publish("orders", json={"order": 7})  # body as JSON, application/json
 
 Sync and async share everything but the executor: `batch.py` turns messages
 into one call of the SQL function `pepsi.workqueue_publish` (insert, dedup,
-length limits, one NOTIFY) and reads its answer; `client.py` runs it.
+length limits, one NOTIFY) and reads its answer; `client.py` runs it;
+`pipeline.py` streams batches with a bound on unconfirmed messages.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pepsi.publishing.errors import InvalidMessage, NoRoute, NotConfirmed, Rejected
+from pepsi.publishing.errors import (
+    InvalidMessage,
+    NoRoute,
+    NotConfirmed,
+    NotOpen,
+    PublishFailed,
+    Rejected,
+)
 from pepsi.publishing.message import OutgoingMessage
 
 if TYPE_CHECKING:
-    from pepsi.publishing.client import AsyncPublisher, Pipeline, Publisher
+    from pepsi.publishing.client import AsyncPublisher, Publisher
+    from pepsi.publishing.pipeline import Pipeline, SyncPipeline
 
-_CLIENT = {"AsyncPublisher", "Pipeline", "Publisher"}
+_CLIENT = frozenset({"AsyncPublisher", "Pipeline", "Publisher", "SyncPipeline"})
 
 
 def __getattr__(name: str) -> Any:
     # The clients load psycopg_pool; commands that never publish skip it.
     if name in _CLIENT:
-        from pepsi.publishing import client  # noqa: PLC0415
+        from pepsi.publishing import client  # noqa: PLC0415  # also loads .pipeline
 
         return getattr(client, name)
     raise AttributeError(f"module 'pepsi.publishing' has no attribute {name!r}")
@@ -37,8 +47,11 @@ __all__ = [
     "InvalidMessage",
     "NoRoute",
     "NotConfirmed",
+    "NotOpen",
     "OutgoingMessage",
     "Pipeline",
+    "PublishFailed",
     "Publisher",
     "Rejected",
+    "SyncPipeline",
 ]

@@ -1,4 +1,4 @@
-"""Publishers: the sync `Publisher`, the async `AsyncPublisher`, and `Pipeline`.
+"""Publishers: the sync `Publisher` and the async `AsyncPublisher`.
 
 A publish is one round trip on a connection of the publisher's pool: one call
 of `pepsi.workqueue_publish` in its own transaction (autocommit), committed
@@ -6,16 +6,21 @@ with synchronous_commit on before the call returns — the confirm. With
 `connection=`, the call joins the caller's transaction instead (the outbox
 pattern): the messages exist if and only if that transaction commits, and
 their NOTIFY is delivered at that commit.
+
+Lifecycle, as psycopg's pools: the constructor does no I/O; `open()`, a
+`with`/`async with` block or the `connect()` class method opens the pool,
+checks the schema and reads the overlay. Everything but the I/O (routes,
+batches, errors) is in `_Core` and `batch.py`, shared by both sides; the
+sync pipeline is the async one on an event loop thread (DESIGN §9).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
@@ -30,14 +35,23 @@ from pepsi.config import (
 )
 from pepsi.db import connect as db_connect
 from pepsi.db import schema
-from pepsi.errors import DatabaseUnavailable
+from pepsi.errors import (
+    DatabaseLost,
+    DatabaseReadOnly,
+    DatabaseUnavailable,
+    PepsiError,
+    classify,
+    one_line,
+)
 from pepsi.publishing import batch
-from pepsi.publishing.errors import NotConfirmed, Rejected
+from pepsi.publishing.errors import NotConfirmed, NotOpen, PublishFailed, Rejected
 from pepsi.publishing.message import OutgoingMessage
+from pepsi.publishing.pipeline import Pipeline, SyncPipeline
 
 REJECTED = "PP001"  # raised by pepsi.workqueue_publish when a stage is full
 AnyConn = psycopg.Connection[Any]
 AnyAConn = psycopg.AsyncConnection[Any]
+T = TypeVar("T")
 
 
 def _message(stage: str, body: Any, fields: dict[str, Any]) -> OutgoingMessage:
@@ -48,81 +62,128 @@ def _message(stage: str, body: Any, fields: dict[str, Any]) -> OutgoingMessage:
     return OutgoingMessage(stage, body, **fields)
 
 
-def _require_schema(dsn: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        schema.require_current(conn)
+def _domain(exc: psycopg.Error) -> PepsiError:
+    """A database error outside the publish statement as a domain error (DESIGN §4)."""
+    return classify(exc) or PublishFailed(f"publish failed: {one_line(exc)}", exc.sqlstate)
 
 
-def _translate(exc: psycopg.Error) -> Exception:
+def _translate(exc: psycopg.Error) -> PepsiError:
+    """An error of the publish statement: refused, unknown outcome, or the database's."""
     if exc.sqlstate == REJECTED:
         return Rejected(str(exc.diag.message_primary), exc.diag.message_detail)
-    if isinstance(exc, psycopg.OperationalError):
-        return NotConfirmed(f"connection lost before the confirm: {db_connect.one_line(exc)}")
-    return exc
+    domain = _domain(exc)
+    if isinstance(domain, DatabaseLost) and not isinstance(domain, DatabaseReadOnly):
+        return NotConfirmed(f"connection lost before the confirm: {one_line(exc)}")
+    return domain
 
 
-def _pool_options(config: Config) -> dict[str, Any]:
-    """The publishers' pools: [pepsi-postgres] sizes, autocommit connections."""
+def _pool_options(config: Config, dsn: str) -> dict[str, Any]:
+    """The publishers' pools: [pepsi-postgres] sizes; autocommit connections made as
+    every program's are (CONNECT_TIMEOUT, application name: `pepsi.db.connect`)."""
     pg = config.postgres
+    params = db_connect.connect_params(
+        dsn, application_name="pepsi-publish", timeout=pg.connect_timeout
+    )
     return {
         "min_size": pg.pool_min_size,
         "max_size": pg.pool_max_size,
-        "kwargs": {"autocommit": True, "application_name": "pepsi-publish"},
+        "kwargs": {"autocommit": True, **params},
         "timeout": pg.connect_timeout,
         "open": False,
     }
 
 
-class _Routes:
-    """The configuration plus its database overlay, re-read on an unknown stage."""
-
-    def __init__(self, config: Config) -> None:
-        self.base = config
-        self.current = config
-
-    def apply(self, overlay: Sequence[OverlayRow]) -> None:
-        self.current = with_overlay(self.base, overlay)
-
-    def needs_refresh(self, messages: Sequence[OutgoingMessage]) -> bool:
-        return any(m.stage not in self.current.stages for m in messages)
+def _require_schema(dsn: str, timeout: float) -> None:
+    """A publisher's first connection: the schema is this build's, or one domain error."""
+    try:
+        with db_connect.connect(dsn, application_name="pepsi-publish", timeout=timeout) as c:
+            schema.require_current(c)  # SchemaMismatch (78)
+    except psycopg.Error as exc:
+        raise _domain(exc) from exc
 
 
-class Publisher:
-    """Synchronous publisher over a small connection pool."""
+def _config(config: Config | Path | str | None) -> Config:
+    if isinstance(config, Config):
+        return config
+    return load_config(Path(config) if config is not None else None)
+
+
+class _Core:
+    """What both publishers share: the routes (configuration + overlay) and the checks."""
 
     def __init__(self, config: Config, dsn: str) -> None:
-        self.routes = _Routes(config)
+        self.base = config
+        self.current = config
         self.dsn = dsn
-        pg = config.postgres
-        self.pool = ConnectionPool(dsn, **_pool_options(config))
-        try:
-            self.pool.open(wait=True, timeout=pg.connect_timeout)
-        except PoolTimeout:
-            self.pool.close()
-            raise DatabaseUnavailable(
-                f"cannot connect to the database ({db_connect.redact(dsn)})"
-            ) from None
-        try:
-            with self.pool.connection() as conn:
-                schema.require_current(conn)  # SchemaMismatch (78), never a traceback
-                self._refresh(conn)
-        except BaseException:
-            self.pool.close()
-            raise
-
-    @classmethod
-    def connect(cls, config: Config | Path | str | None = None, dsn: str | None = None) -> Self:
-        """A publisher for `config` (a Config, or a path; default locations if None)."""
-        if not isinstance(config, Config):
-            config = load_config(Path(config) if config is not None else None)
-        return cls(config, dsn or db_connect.resolve(config).dsn)
+        self.opened = False
 
     @property
     def config(self) -> Config:
-        return self.routes.current
+        """The configuration with the database overlay, as last read."""
+        return self.current
+
+    def _apply(self, overlay: Sequence[OverlayRow]) -> None:
+        self.current = with_overlay(self.base, overlay)
+
+    def _needs_refresh(self, messages: Sequence[OutgoingMessage]) -> bool:
+        return any(m.stage not in self.current.stages for m in messages)
+
+    def _require_open(self) -> None:
+        if not self.opened:
+            name = type(self).__name__
+            raise NotOpen(f"the {name} is not open: use {name}.connect(), open() or a with block")
+
+    def _unreachable(self) -> DatabaseUnavailable:
+        return DatabaseUnavailable(
+            f"cannot connect to the database ({db_connect.redact(self.dsn)})"
+        )
+
+
+class Publisher(_Core):
+    """Synchronous publisher over a small connection pool."""
+
+    def __init__(self, config: Config, dsn: str) -> None:
+        super().__init__(config, dsn)
+        self.pool = ConnectionPool(dsn, **_pool_options(config, dsn))
+
+    @classmethod
+    def connect(cls, config: Config | Path | str | None = None, dsn: str | None = None) -> Self:
+        """An open publisher for `config` (a Config, or a path; default locations if None)."""
+        config = _config(config)
+        publisher = cls(config, dsn or db_connect.resolve(config).dsn)
+        publisher.open()
+        return publisher
+
+    def open(self) -> None:
+        """Open the pool, check the schema, read the overlay (nothing if already open)."""
+        if self.opened:
+            return
+        timeout = self.base.postgres.connect_timeout
+        # One direct connection first: a refusal is one line at once, where the
+        # pool would retry until CONNECT_TIMEOUT; SchemaMismatch (78) likewise.
+        _require_schema(self.dsn, timeout)
+        try:
+            self.pool.open(wait=True, timeout=timeout)
+        except PoolTimeout:
+            self.pool.close()
+            raise self._unreachable() from None
+        try:
+            with self.pool.connection() as conn:
+                self._refresh(conn)
+        except psycopg.Error as exc:
+            self.pool.close()
+            raise _domain(exc) from exc
+        except BaseException:
+            self.pool.close()
+            raise
+        self.opened = True
+
+    def refresh(self) -> None:
+        """Re-read the configuration overlay (stages added in the database)."""
+        self._run(None, self._refresh)
 
     def _refresh(self, conn: AnyConn) -> None:
-        self.routes.apply(read_overlay(conn))
+        self._apply(read_overlay(conn))
 
     def publish(
         self, stage: str, body: Any = None, *, connection: AnyConn | None = None, **fields: Any
@@ -137,20 +198,21 @@ class Publisher:
         items = list(messages)
         if not items:
             return []
-        if self.routes.needs_refresh(items):
-            self._with_connection(connection, self._refresh)
-        call = batch.build(items, self.config)
-        answer = self._with_connection(connection, lambda conn: self._execute(conn, call))
+        if self._needs_refresh(items):
+            self._run(connection, self._refresh)
+        call = batch.build(items, self.current)
+        answer = self._run(connection, lambda conn: self._execute(conn, call))
         return batch.ids_from(call, answer)
 
-    def _with_connection(self, connection: AnyConn | None, work: Any) -> Any:
-        if connection is not None:
-            return work(connection)
+    def _run(self, connection: AnyConn | None, work: Callable[[AnyConn], T]) -> T:
+        self._require_open()
         try:
+            if connection is not None:
+                return work(connection)
             with self.pool.connection() as conn:
                 return work(conn)
-        except PoolTimeout:
-            raise DatabaseUnavailable("no database connection available (pool timeout)") from None
+        except psycopg.Error as exc:
+            raise _domain(exc) from exc
 
     def _execute(self, conn: AnyConn, call: batch.BatchCall) -> list[tuple[Any, ...]]:
         try:
@@ -161,10 +223,24 @@ class Publisher:
         except psycopg.Error as exc:
             raise _translate(exc) from exc
 
+    def pipeline(
+        self, *, max_outstanding: int = 1000, max_batch: int = 500, concurrency: int = 2
+    ) -> SyncPipeline:
+        """Pipelined publishing: the async pipeline on an event loop thread of its own."""
+        self._require_open()
+        return SyncPipeline(
+            lambda: AsyncPublisher(self.base, self.dsn),
+            max_outstanding=max_outstanding,
+            max_batch=max_batch,
+            concurrency=concurrency,
+        )
+
     def close(self) -> None:
+        self.opened = False
         self.pool.close()
 
     def __enter__(self) -> Self:
+        self.open()
         return self
 
     def __exit__(
@@ -173,20 +249,19 @@ class Publisher:
         self.close()
 
 
-class AsyncPublisher:
+class AsyncPublisher(_Core):
     """Asynchronous publisher over a small connection pool; see `Publisher`."""
 
     def __init__(self, config: Config, dsn: str) -> None:
-        self.routes = _Routes(config)
-        self.dsn = dsn
-        self.pool = AsyncConnectionPool(dsn, **_pool_options(config))
+        super().__init__(config, dsn)
+        self.pool = AsyncConnectionPool(dsn, **_pool_options(config, dsn))
 
     @classmethod
     async def connect(
         cls, config: Config | Path | str | None = None, dsn: str | None = None
     ) -> Self:
-        if not isinstance(config, Config):
-            config = load_config(Path(config) if config is not None else None)
+        """An open publisher for `config` (a Config, or a path; default locations if None)."""
+        config = _config(config)
         if dsn is None:
             dsn = (await asyncio.to_thread(db_connect.resolve, config)).dsn
         publisher = cls(config, dsn)
@@ -194,160 +269,96 @@ class AsyncPublisher:
         return publisher
 
     async def open(self) -> None:
-        timeout = self.routes.base.postgres.connect_timeout
+        """Open the pool, check the schema, read the overlay (nothing if already open)."""
+        if self.opened:
+            return
+        timeout = self.base.postgres.connect_timeout
+        # as the sync open: a refusal or another schema is one line at once
+        await asyncio.to_thread(self._require_schema, timeout)
         try:
             await self.pool.open(wait=True, timeout=timeout)
         except PoolTimeout:
             await self.pool.close()
-            raise DatabaseUnavailable(
-                f"cannot connect to the database ({db_connect.redact(self.dsn)})"
-            ) from None
+            raise self._unreachable() from None
         try:
             async with self.pool.connection() as conn:
-                await asyncio.to_thread(_require_schema, self.dsn)
                 await self._refresh(conn)
+        except psycopg.Error as exc:
+            await self.pool.close()
+            raise _domain(exc) from exc
         except BaseException:
             await self.pool.close()
             raise
+        self.opened = True
 
-    @property
-    def config(self) -> Config:
-        return self.routes.current
+    def _require_schema(self, timeout: float) -> None:
+        # The schema check is sync; one short connection, off the event loop.
+        _require_schema(self.dsn, timeout)
 
     async def refresh(self) -> None:
         """Re-read the configuration overlay (stages added in the database)."""
-        async with self.pool.connection() as conn:
-            await self._refresh(conn)
+        self._require_open()
+        try:
+            async with self.pool.connection() as conn:
+                await self._refresh(conn)
+        except psycopg.Error as exc:
+            raise _domain(exc) from exc
 
     async def _refresh(self, conn: AnyAConn) -> None:
-        self.routes.apply(await read_overlay_async(conn))
+        self._apply(await read_overlay_async(conn))
 
     async def publish(
         self, stage: str, body: Any = None, *, connection: AnyAConn | None = None, **fields: Any
     ) -> int:
+        """Publish one message; return its id once confirmed. See OutgoingMessage."""
         ids = await self.publish_many([_message(stage, body, fields)], connection=connection)
         return ids[0]
 
     async def publish_many(
         self, messages: Iterable[OutgoingMessage], *, connection: AnyAConn | None = None
     ) -> list[int]:
+        """Publish a batch: one transaction, one confirm, one NOTIFY."""
         items = list(messages)
         if not items:
             return []
-        if self.routes.needs_refresh(items):
+        self._require_open()
+        try:
             if connection is not None:
-                await self._refresh(connection)
-            else:
-                async with self.pool.connection() as conn:
-                    await self._refresh(conn)
-        call = batch.build(items, self.config)
-        if connection is not None:
-            answer = await self._execute(connection, call)
-        else:
-            try:
-                async with self.pool.connection() as conn:
-                    answer = await self._execute(conn, call)
-            except PoolTimeout:
-                raise DatabaseUnavailable(
-                    "no database connection available (pool timeout)"
-                ) from None
-        return batch.ids_from(call, answer)
+                return await self._publish(connection, items)
+            async with self.pool.connection() as conn:
+                return await self._publish(conn, items)
+        except psycopg.Error as exc:
+            raise _domain(exc) from exc
 
-    async def _execute(self, conn: AnyAConn, call: batch.BatchCall) -> list[tuple[Any, ...]]:
+    async def _publish(self, conn: AnyAConn, items: list[OutgoingMessage]) -> list[int]:
+        if self._needs_refresh(items):
+            await self._refresh(conn)
+        call = batch.build(items, self.current)
         try:
             if conn.autocommit and conn.info.transaction_status.name == "IDLE":
-                return await (await conn.execute(call.sql, call.params)).fetchall()
-            async with conn.transaction():
-                return await (await conn.execute(call.sql, call.params)).fetchall()
+                answer = await (await conn.execute(call.sql, call.params)).fetchall()
+            else:
+                async with conn.transaction():
+                    answer = await (await conn.execute(call.sql, call.params)).fetchall()
         except psycopg.Error as exc:
             raise _translate(exc) from exc
+        return batch.ids_from(call, answer)
 
     def pipeline(
         self, *, max_outstanding: int = 1000, max_batch: int = 500, concurrency: int = 2
     ) -> Pipeline:
+        """Pipelined publishing; call it from a running event loop (it starts tasks)."""
+        self._require_open()
         return Pipeline(
             self, max_outstanding=max_outstanding, max_batch=max_batch, concurrency=concurrency
         )
 
     async def close(self) -> None:
+        self.opened = False
         await self.pool.close()
 
     async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
-
-
-class Pipeline:
-    """Pipelined publishing with a bound on unconfirmed messages.
-
-    `submit()` validates the message and returns a future of its id at once;
-    it waits only while `max_outstanding` messages are unconfirmed (RabbitMQ's
-    outstanding-confirms limiter). Sender tasks gather what is queued into
-    batches of up to `max_batch`, one transaction each, on `concurrency`
-    connections. A batch that is refused fails the futures of its messages.
-    """
-
-    def __init__(
-        self, publisher: AsyncPublisher, *, max_outstanding: int, max_batch: int, concurrency: int
-    ) -> None:
-        if max_outstanding < 1 or max_batch < 1 or concurrency < 1:
-            raise ValueError("max_outstanding, max_batch and concurrency must be at least 1")
-        self.publisher = publisher
-        self.max_batch = max_batch
-        self.slots = asyncio.Semaphore(max_outstanding)
-        self.queue: asyncio.Queue[tuple[OutgoingMessage, asyncio.Future[int]]] = asyncio.Queue()
-        self.senders = [asyncio.create_task(self._send()) for _ in range(concurrency)]
-        self.outstanding: set[asyncio.Future[int]] = set()
-
-    async def submit(self, message: OutgoingMessage) -> asyncio.Future[int]:
-        if message.stage not in self.publisher.config.stages:
-            await self.publisher.refresh()  # a stage added to the overlay since
-        batch.build([message], self.publisher.config)  # refuse a bad message now, not later
-        await self.slots.acquire()
-        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self.outstanding.add(future)
-        future.add_done_callback(self._settled)
-        self.queue.put_nowait((message, future))
-        return future
-
-    def _settled(self, future: asyncio.Future[int]) -> None:
-        self.outstanding.discard(future)
-        self.slots.release()
-
-    async def _send(self) -> None:
-        while True:
-            items = [await self.queue.get()]
-            while len(items) < self.max_batch and not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            try:
-                ids = await self.publisher.publish_many([m for m, _ in items])
-            except Exception as exc:  # noqa: BLE001  # each future carries its batch's refusal
-                for _, future in items:
-                    if not future.done():
-                        future.set_exception(exc)
-            else:
-                for (_, future), wid in zip(items, ids, strict=True):
-                    if not future.done():
-                        future.set_result(wid)
-
-    async def flush(self) -> None:
-        """Wait until every submitted message is confirmed or refused."""
-        if self.outstanding:
-            await asyncio.wait(list(self.outstanding))
-
-    async def close(self) -> None:
-        await self.flush()
-        for task in self.senders:
-            task.cancel()
-        for task in self.senders:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def __aenter__(self) -> Self:
+        await self.open()
         return self
 
     async def __aexit__(

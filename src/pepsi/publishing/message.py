@@ -7,11 +7,13 @@ refuses the whole batch with one clear error.
 from __future__ import annotations
 
 import ipaddress
-import json
+import json as _json
 import re
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from itertools import islice
 from typing import Any, NamedTuple
 
 from pepsi.publishing.errors import InvalidMessage
@@ -25,25 +27,144 @@ _ADDRESS = re.compile(r"[^\s<>@\x00-\x1f\x7f]+@[^\s<>@\x00-\x1f\x7f]+")
 Body = bytes | bytearray | memoryview | str
 
 
-@dataclass(frozen=True)
+_UNSET: Any = object()  # json= not given (None is the JSON null)
+JSON_TYPE = "application/json"
+# Old keyword -> its name now (deprecated for one release, see CHANGELOG.md).
+RENAMED = {"headers": "properties", "user": "origin_user", "peer": "origin_peer"}
+
+
+@dataclass(frozen=True, init=False)
 class OutgoingMessage:
-    """What a producer hands over. `body`/`header` text is encoded as UTF-8."""
+    """What a producer hands over. `body`/`header` text is encoded as UTF-8.
+
+    Field names are those the stage reads on `Message` and the row's columns.
+    `json=obj` makes the body `obj` as UTF-8 JSON and, unless given, sets
+    `content_type` to application/json.
+    """
 
     stage: str
     body: Body | None = None
     header: Body | None = None
     sender: str | None = None  # '' is the null sender
     recipients: tuple[str, ...] = ()
-    user: str | None = None  # authenticated submitter
-    peer: str | None = None  # IP address of the connecting peer
+    origin_user: str | None = None  # authenticated submitter
+    origin_peer: str | None = None  # IP address of the connecting peer
     message_id: str | None = None
     dedup: bool = False  # idempotent on message_id within the dedup window
     header_from: str | None = None
     subject: str | None = None
     content_type: str | None = None
     correlation_id: str | None = None
-    headers: Mapping[str, Any] = field(default_factory=dict)  # producer properties
+    properties: Mapping[str, Any] = field(default_factory=dict)  # producer properties
     expires: datetime | float | None = None  # when, or seconds from now
+
+    def __init__(  # one keyword per field, as the dataclass had
+        self,
+        stage: str,
+        body: Body | None = None,
+        header: Body | None = None,
+        *,
+        sender: str | None = None,
+        recipients: tuple[str, ...] = (),
+        origin_user: str | None = None,
+        origin_peer: str | None = None,
+        message_id: str | None = None,
+        dedup: bool = False,
+        header_from: str | None = None,
+        subject: str | None = None,
+        content_type: str | None = None,
+        correlation_id: str | None = None,
+        properties: Mapping[str, Any] | None = None,
+        expires: datetime | float | None = None,
+        json: Any = _UNSET,
+        headers: Mapping[str, Any] | None = None,  # deprecated: properties
+        user: str | None = None,  # deprecated: origin_user
+        peer: str | None = None,  # deprecated: origin_peer
+    ) -> None:
+        if headers is not None:
+            properties = _renamed("headers", headers, properties)
+        if user is not None:
+            origin_user = _renamed("user", user, origin_user)
+        if peer is not None:
+            origin_peer = _renamed("peer", peer, origin_peer)
+        if json is not _UNSET:
+            if body is not None:
+                raise InvalidMessage("give body= or json=, not both")
+            body = encode_json(json)
+            if content_type is None:
+                content_type = JSON_TYPE
+        put = object.__setattr__  # frozen: the dataclass's own __init__ does the same
+        put(self, "stage", stage)
+        put(self, "body", body)
+        put(self, "header", header)
+        put(self, "sender", sender)
+        put(self, "recipients", recipients)
+        put(self, "origin_user", origin_user)
+        put(self, "origin_peer", origin_peer)
+        put(self, "message_id", message_id)
+        put(self, "dedup", dedup)
+        put(self, "header_from", header_from)
+        put(self, "subject", subject)
+        put(self, "content_type", content_type)
+        put(self, "correlation_id", correlation_id)
+        put(self, "properties", {} if properties is None else properties)
+        put(self, "expires", expires)
+
+    @property
+    def headers(self) -> Mapping[str, Any]:
+        """Deprecated: `properties`."""
+        _warn("headers")
+        return self.properties
+
+    @property
+    def user(self) -> str | None:
+        """Deprecated: `origin_user`."""
+        _warn("user")
+        return self.origin_user
+
+    @property
+    def peer(self) -> str | None:
+        """Deprecated: `origin_peer`."""
+        _warn("peer")
+        return self.origin_peer
+
+
+def _warn(old: str) -> None:
+    warnings.warn(
+        f"OutgoingMessage.{old} is deprecated; use {RENAMED[old]}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+def _renamed(old: str, value: Any, new_value: object) -> Any:
+    """The value given under a deprecated keyword (one release: see CHANGELOG.md)."""
+    new = RENAMED[old]
+    if new_value is not None and new_value != ():
+        raise TypeError(f"OutgoingMessage() got both {old}= and {new}=")
+    warnings.warn(
+        f"OutgoingMessage({old}=...) is deprecated; use {new}=",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return value
+
+
+def encode_json(value: object) -> bytes:
+    """`value` as compact UTF-8 JSON, as `json=` sends it; InvalidMessage if it is not JSON."""
+    try:
+        text = _json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return text.encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
+        raise InvalidMessage(f"json= is not JSON: {_reason(exc)}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, UnicodeEncodeError):
+        return "a string is not encodable as UTF-8"
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc)
 
 
 def _as_bytes(name: str, value: Body | None) -> bytes | None:
@@ -69,8 +190,13 @@ def _text(name: str, value: object, *, empty: bool = False) -> str | None:
             raise InvalidMessage(f"{name} is not UTF-8 text") from None
     if not isinstance(value, str):
         raise InvalidMessage(f"{name} must be text, not {type(value).__name__}")
-    if "\x00" in value:
+    if "\x00" in value:  # PostgreSQL text cannot hold NUL
         raise InvalidMessage(f"{name} contains a NUL character")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate, e.g. undecodable bytes from argv
+            raise InvalidMessage(f"{name} is not encodable as UTF-8 text") from None
     if len(value) > MAX_TEXT:
         raise InvalidMessage(f"{name} is longer than {MAX_TEXT} characters")
     if not value and not empty:
@@ -135,15 +261,15 @@ def validate(msg: OutgoingMessage, *, max_size: int, now: datetime | None = None
         and not msg.dedup
         and isinstance(recipients, tuple | list)
         and not recipients
-        and msg.user is None
-        and msg.peer is None
+        and msg.origin_user is None
+        and msg.origin_peer is None
         and msg.header_from is None
         and msg.subject is None
         and msg.content_type is None
         and msg.correlation_id is None
         and msg.expires is None
-        and isinstance(msg.headers, dict)
-        and not msg.headers
+        and isinstance(msg.properties, dict)
+        and not msg.properties
     ):
         return Row(stage, *_NOTHING, header, body)
     return _checked(msg, header, body, now)
@@ -152,41 +278,37 @@ def validate(msg: OutgoingMessage, *, max_size: int, now: datetime | None = None
 def _checked(
     msg: OutgoingMessage, header: bytes | None, body: bytes | None, now: datetime | None
 ) -> Row:
-    if isinstance(msg.recipients, str | bytes) or msg.recipients is None:
+    given = msg.recipients
+    if isinstance(given, str | bytes | Mapping) or not isinstance(given, Iterable):
         raise InvalidMessage("recipients must be a list of addresses")
-    recipients = [_address("recipient", r) for r in msg.recipients]
-    if len(recipients) > MAX_RECIPIENTS:
+    listed = list(islice(given, MAX_RECIPIENTS + 1))
+    if len(listed) > MAX_RECIPIENTS:
         raise InvalidMessage(f"more than {MAX_RECIPIENTS} recipients")
-    peer = _text("peer", msg.peer)
+    recipients = [_address("recipient", r) for r in listed]
+    peer = _text("origin_peer", msg.origin_peer)
     if peer is not None:
         try:
             peer = str(ipaddress.ip_address(peer))
         except ValueError:
-            raise InvalidMessage(f"peer is not an IP address: {peer!r}") from None
+            raise InvalidMessage(f"origin_peer is not an IP address: {peer!r}") from None
     message_id = _text("message_id", msg.message_id)
+    if not isinstance(msg.dedup, bool):
+        raise InvalidMessage(f"dedup must be True or False, not {type(msg.dedup).__name__}")
     if msg.dedup and message_id is None:
         raise InvalidMessage("dedup=True needs a message_id")
-    if not isinstance(msg.headers, Mapping):
-        raise InvalidMessage("headers must be a mapping")
-    properties = None
-    if msg.headers:
-        try:
-            properties = json.dumps(dict(msg.headers))
-        except (TypeError, ValueError) as exc:
-            raise InvalidMessage(f"headers are not JSON: {exc}") from None
     return Row(
         msg.stage,
         message_id,
-        bool(msg.dedup),
+        msg.dedup,
         _address("sender", msg.sender, null_ok=True),
         _array_literal(recipients) if recipients else None,
-        _text("user", msg.user),
+        _text("origin_user", msg.origin_user),
         peer,
         _text("header_from", msg.header_from),
         _text("subject", msg.subject, empty=True),
         _text("content_type", msg.content_type),
         _text("correlation_id", msg.correlation_id),
-        properties,
+        _properties(msg.properties),
         _expiry(msg.expires, now),
         header,
         body,
@@ -199,13 +321,39 @@ def _array_literal(items: list[str | None]) -> str:
     return "{" + ",".join(quoted) + "}"
 
 
-def _expiry(value: datetime | float | None, now: datetime | None) -> datetime | None:
+# A JSON \u0000 escape not itself escaped: jsonb refuses it (text cannot hold NUL).
+_JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def _properties(value: object) -> str | None:
+    """The producer properties as JSON text that jsonb accepts; None when empty."""
+    if not isinstance(value, Mapping):
+        raise InvalidMessage("properties must be a mapping")
+    if not value:
+        return None
+    try:
+        text = _json.dumps(dict(value), ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidMessage(f"properties are not JSON: {_reason(exc)}") from None
+    if "\\u0000" in text and _JSON_NUL.search(text):
+        raise InvalidMessage("properties contain a NUL character")
+    return text
+
+
+def _expiry(value: object, now: datetime | None) -> datetime | None:
     if value is None:
         return None
     if isinstance(value, datetime):
-        if value.tzinfo is None:
+        if value.utcoffset() is None:
             raise InvalidMessage("expires must be a timezone-aware datetime")
-        return value
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        try:
+            return value.astimezone(UTC)
+        except OverflowError:
+            raise InvalidMessage("expires is out of range") from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise InvalidMessage("expires must be a datetime or a number of seconds > 0")
-    return (now or datetime.now(UTC)) + timedelta(seconds=float(value))
+    try:
+        return (now or datetime.now(UTC)) + timedelta(seconds=float(value))
+    except (OverflowError, ValueError):  # inf, or past the year 9999
+        raise InvalidMessage(f"expires is too far in the future: {value} seconds") from None
