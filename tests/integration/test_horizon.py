@@ -19,6 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pepsi.admin.horizon import Holder, Probe, read_oldest
+from pepsi.db import schema
+from pepsi.db.embedded import EmbeddedServer
 from pepsi.dispatch.metrics import Gauges, MetricsServer, Snapshot
 from pepsi.dispatch.stats import Counts
 from pepsi.errors import DatabaseUnavailable
@@ -82,10 +84,25 @@ def test_the_oldest_of_two_is_reported(conn: Any, dsn: str) -> None:
             assert (holder.pid, holder.application) == (first, "first")
 
 
-def test_a_prepared_transaction_is_found(conn: Any, dsn: str) -> None:
-    enabled = conn.execute("SHOW max_prepared_transactions").fetchone()[0]
-    if int(enabled) == 0:
-        pytest.skip("the server does not allow prepared transactions")
+@pytest.fixture(scope="module")
+def prepared_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server of its own that allows prepared transactions (Pepsi's has none)."""
+    server = EmbeddedServer(tmp_path_factory.mktemp("pp") / "data")
+    with psycopg.connect(server.start(), autocommit=True) as admin:
+        admin.execute("ALTER SYSTEM SET max_prepared_transactions = 2")  # read at start
+    server.stop()
+    dsn = server.start()
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            schema.install(conn)
+        yield dsn
+    finally:
+        server.stop()
+
+
+def test_a_prepared_transaction_is_found(prepared_dsn: str) -> None:
+    dsn = prepared_dsn
+    conn = psycopg.connect(dsn, autocommit=True)
     with psycopg.connect(dsn) as other:
         other.execute("SELECT txid_current()")
         other.execute("PREPARE TRANSACTION 'forgotten'")
@@ -94,6 +111,7 @@ def test_a_prepared_transaction_is_found(conn: Any, dsn: str) -> None:
         assert (holder.kind, holder.gid, holder.pid) == ("prepared", "forgotten", None)
     finally:
         conn.execute("ROLLBACK PREPARED 'forgotten'")
+        conn.close()
 
 
 def test_the_probe_reads_on_its_own_connection(conn: Any, dsn: str) -> None:
