@@ -67,6 +67,7 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command("queue", "queue_cmd", "inspect and repair the queue"),
     Command("top", "top_cmd", "live view: backlog, workers and rates per stage"),
+    Command("systemd", "systemd_cmd", "print the dispatcher's systemd unit"),
     Command("worker", "worker_cmd", "run one stage's worker (started by the dispatcher)"),
 )
 
