@@ -3,6 +3,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pepsi.config import (
     Config,
@@ -387,3 +389,192 @@ def test_text_that_is_not_utf8_names_the_line(tmp_path: Path) -> None:
     path.write_bytes("[pepsi]\n".encode("utf-16"))
     with pytest.raises(ConfigError, match=r"line 1: not UTF-8 text \(it looks like UTF-16\)"):
         load_config(path)
+
+
+# --------------------------------------------------------------------------
+# Built-in stages (PROGRAM = pepsi-stage-NAME) and their options.
+
+BUILTINS = """
+[stage-check]
+PROGRAM = pepsi-stage-if
+IF = sender ~ "@spam\\.example$" and not state.seen
+THEN = drop
+ELSE = mark
+[stage-mark]
+PROGRAM = pepsi-stage-set
+SET = seen=true, score=3
+NEXT = drop
+[stage-drop]
+PROGRAM = pepsi-stage-discard
+"""
+
+
+def test_builtins_parse_into_the_unified_program(tmp_path: Path) -> None:
+    config = load(tmp_path, BUILTINS)
+    check = config.stages["check"]
+    assert (check.builtin, check.program, check.handler) == (
+        "if",
+        "pepsi-stage-if",
+        "pepsi.stages.if_:run",
+    )
+    assert check.routes == (("THEN", "drop"), ("ELSE", "mark"))
+    assert check.fusion is None  # the stage's own default: yes for built-ins (W-10)
+    assert config.stages["mark"].builtin_options.values == (("seen", True), ("score", 3))
+    assert config.entry_stages() == ["check"]  # THEN and ELSE targets are not entries
+    assert config.warnings == ()
+    assert hash(check) == hash(load(tmp_path, BUILTINS).stages["check"])  # still frozen
+
+
+def test_a_pepsi_stage_program_that_is_not_a_builtin_is_an_external_program(
+    tmp_path: Path,
+) -> None:
+    stage = load(tmp_path, "[stage-a]\nPROGRAM = pepsi-stage-srs\n").stages["a"]
+    assert (stage.builtin, stage.handler, stage.program) == (None, None, "pepsi-stage-srs")
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "problem"),
+    [
+        ("[stage-a]\nPROGRAM = pepsi-stage-if\nIFF = 1\nTHEN = a\n", "[stage-a] IFF",
+         "unknown key (did you mean IF?)"),
+        ("[stage-a]\nHANDLER = m:f\nIF = sender\n", "[stage-a] IF", "unknown key"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-discard\nSET = x=1\n", "[stage-a] SET",
+         "unknown key"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-if\nTHEN = b\n[stage-b]\nHANDLER = m:f\n",
+         "[stage-a] IF", "required by pepsi-stage-if"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-if\nIF = sender\n", "[stage-a] THEN", "required"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-if\nIF = sender ==\nTHEN = a\n", "[stage-a] IF",
+         "column 10: expected a field"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-if\nIF = subject ~ '['\nTHEN = b\n",
+         "[stage-a] IF", "bad regular expression"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-if\nIF = sender\nTHEN = nowhere\n",
+         "[stage-a] THEN", "no stage named 'nowhere'"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-if\nIF = sender\nTHEN = b\nELSE = c\n"
+         "[stage-b]\nHANDLER = m:f\n", "[stage-a] ELSE", "no stage named 'c'"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-if\nIF = sender\nTHEN = a\n", "[stage-a] THEN",
+         "cannot route to itself"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-if\nIF = sender\nTHEN = B!\n", "[stage-a] THEN",
+         "not a stage name"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-set\n", "[stage-a] SET", "required"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-set\nSET = x\n", "[stage-a] SET",
+         "expected KEY=VALUE"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-set\nSET = strikes=0\n", "[stage-a] SET",
+         "Pepsi's own bookkeeping"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-set\nSET = a=1, a=2\n", "[stage-a] SET",
+         "a is set twice"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-set\nSET = a='x\n", "[stage-a] SET",
+         "string not closed"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-set\nSET = a='x' y\n", "[stage-a] SET",
+         "not one quoted string"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-bounce\nREASON =\n", "[stage-a] REASON",
+         "must not be empty"),
+        ("[stage-a]\nPROGRAM = pepsi-stage-discard\nHANDLER = m:f\n", "[stage-a]",
+         "not both"),
+    ],
+)  # fmt: skip
+def test_builtin_option_errors_are_one_line(
+    tmp_path: Path, text: str, where: str, problem: str
+) -> None:
+    message = error(tmp_path, text)
+    assert where in message
+    assert problem in message
+
+
+def test_cycles_through_routes_are_warnings(tmp_path: Path) -> None:
+    config = load(
+        tmp_path,
+        "[stage-a]\nPROGRAM = pepsi-stage-if\nIF = state.done\nTHEN = end\nELSE = b\n"
+        "[stage-b]\nPROGRAM = pepsi-stage-set\nSET = done=true\nNEXT = a\n"
+        "[stage-end]\nPROGRAM = pepsi-stage-discard\n",
+    )
+    assert len(config.warnings) == 1
+    assert "a -> b -> a form a cycle through a built-in's routes" in config.warnings[0]
+
+
+def test_builtin_options_can_come_from_the_overlay(tmp_path: Path) -> None:
+    raw = read_file(write(tmp_path, BUILTINS))
+    merged = merge_overlay(
+        raw, [("stage-check", "if", "subject == 'x'"), ("stage-check", "else", None)]
+    )
+    stage = parse_config(merged).stages["check"]
+    assert stage.routes == (("THEN", "drop"),)
+    assert stage.builtin_options.describe() == 'if subject == "x"'
+
+
+def test_config_check_prints_builtins_and_routes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pepsi.cli import main  # noqa: PLC0415
+
+    assert main(["-c", str(write(tmp_path, BUILTINS)), "config", "check"]) == 0
+    out = capsys.readouterr().out
+    assert "built-in if" in out
+    assert "then drop, else mark" in out
+    assert 'check: if sender ~ "@spam\\.example$" and not state.seen: THEN drop, ELSE mark' in out
+    assert "check → (routes)" in out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=60))
+def test_any_if_condition_is_config_or_a_config_error(text: str) -> None:
+    value = text.replace("\n", " ").replace("\r", " ")
+    raw: RawSections = {
+        "stage-a": {
+            "PROGRAM": RawValue("pepsi-stage-if", "f.conf"),
+            "IF": RawValue(value, "f.conf"),
+            "THEN": RawValue("b", "f.conf"),
+        },
+        "stage-b": {"PROGRAM": RawValue("pepsi-stage-discard", "f.conf")},
+    }
+    problem = "f.conf: [stage-a] IF: "  # what an error starts with
+    try:
+        parse_config(raw)
+    except ConfigError as exc:
+        problem = str(exc)
+    assert "\n" not in problem
+    assert problem.startswith("f.conf: [stage-a] IF: ")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["SET", "REASON"]), st.text(max_size=40))
+def test_any_set_or_reason_is_config_or_a_config_error(key: str, text: str) -> None:
+    program = "pepsi-stage-set" if key == "SET" else "pepsi-stage-bounce"
+    raw: RawSections = {
+        "stage-a": {
+            "PROGRAM": RawValue(program, "f.conf"),
+            key: RawValue(text.replace("\n", " ").replace("\r", " "), "f.conf"),
+        }
+    }
+    problem = f"f.conf: [stage-a] {key}: "  # what an error starts with
+    try:
+        parse_config(raw)
+    except ConfigError as exc:
+        problem = str(exc)
+    assert "\n" not in problem
+    assert problem.startswith(f"f.conf: [stage-a] {key}: ")
+
+
+def test_branches_that_join_again_are_no_cycle(tmp_path: Path) -> None:
+    config = load(
+        tmp_path,
+        "[stage-a]\nPROGRAM = pepsi-stage-if\nIF = state.x\nTHEN = b\nELSE = c\n"
+        "[stage-b]\nPROGRAM = pepsi-stage-set\nSET = y=1\nNEXT = d\n"
+        "[stage-c]\nPROGRAM = pepsi-stage-set\nSET = y=2\nNEXT = d\n"
+        "[stage-d]\nPROGRAM = pepsi-stage-if\nIF = state.y == 1\nTHEN = e\n"
+        "[stage-e]\nPROGRAM = pepsi-stage-discard\n",
+    )
+    assert config.warnings == ()
+    assert config.entry_stages() == ["a"]
+
+
+def test_next_that_a_builtin_never_takes_is_a_warning(tmp_path: Path) -> None:
+    config = load(
+        tmp_path,
+        "[stage-a]\nPROGRAM = pepsi-stage-if\nIF = state.x\nTHEN = b\nELSE = c\nNEXT = c\n"
+        "[stage-b]\nPROGRAM = pepsi-stage-discard\nNEXT = c\n"
+        "[stage-c]\nPROGRAM = pepsi-stage-bounce\n",
+    )
+    assert config.warnings == (
+        "[stage-a] NEXT has no effect: pepsi-stage-if goes to THEN or ELSE",
+        "[stage-b] NEXT has no effect: pepsi-stage-discard never advances",
+    )

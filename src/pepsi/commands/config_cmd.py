@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from pepsi.commands import Context, summary
-from pepsi.config import Config, default_locations, find_config
+from pepsi.config import Config, StageConfig, default_locations, find_config
 from pepsi.durations import format_duration
 from pepsi.errors import EX_OK, ConfigError
 
@@ -42,15 +42,21 @@ def run_check(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def chains(config: Config) -> list[list[str]]:
-    """Each entry stage followed along NEXT until the end or a repeat."""
+    """Each entry stage followed along NEXT until the end, a repeat or a branch.
+
+    A built-in that routes (an if stage) ends its chain with `(routes)`: its
+    THEN and ELSE are printed on lines of their own.
+    """
     result = []
     for entry in config.entry_stages() or list(config.stages)[:1]:
         chain: list[str] = []
         node: str | None = entry
-        while node is not None and node not in chain:
+        while node is not None and node not in chain and not config.stages[node].routes:
             chain.append(node)
             node = config.stages[node].next
-        if node is not None:
+        if node is not None and config.stages[node].routes and node not in chain:
+            chain.extend((node, "(routes)"))
+        elif node is not None:
             chain.append(f"{node} (cycle)")
         else:
             chain.append("done")
@@ -63,11 +69,10 @@ def render_graph(config: Config, console: Console) -> None:
 
     table = make_table("stages", "stage", "runs", "next", "bounce", "pool", "max runtime")
     for stage in config.stages.values():
-        runs = f"handler {stage.handler}" if stage.handler else f"program {stage.program}"
         table.add_row(
             stage.name,
-            runs,
-            stage.next or "(finish)",
+            _runs(stage),
+            _next(stage),
             stage.bounce_stage or "(fail)",
             f"{stage.parallelism} × {stage.queue_limit}",
             format_duration(stage.max_runtime),
@@ -78,3 +83,25 @@ def render_graph(config: Config, console: Console) -> None:
     console.print(table)
     for chain in chains(config):
         console.print("  " + " → ".join(chain), highlight=False, markup=False)
+    for stage in config.stages.values():
+        if stage.builtin is not None and stage.routes:
+            routes = ", ".join(f"{key} {target}" for key, target in stage.routes)
+            describe = stage.builtin_options.describe()
+            console.print(f"  {stage.name}: {describe}: {routes}", highlight=False, markup=False)
+
+
+def _runs(stage: StageConfig) -> str:
+    if stage.builtin is not None:
+        return f"built-in {stage.builtin}"
+    return f"handler {stage.handler}" if stage.handler else f"program {stage.program}"
+
+
+def _next(stage: StageConfig) -> str:
+    """NEXT, or an if stage's THEN and ELSE (its ELSE defaults to NEXT)."""
+    after = stage.next or "(finish)"
+    if not stage.routes:
+        return after
+    shown = [f"{key.lower()} {target}" for key, target in stage.routes]
+    if all(key != "ELSE" for key, _ in stage.routes):
+        shown.append(f"else {after}")
+    return ", ".join(shown)

@@ -1,4 +1,5 @@
-"""The stage graph: NEXT and BOUNCE_STAGE must name stages; cycles are warnings."""
+"""The stage graph: NEXT, BOUNCE_STAGE and built-in routes (THEN, ELSE) must name
+stages; cycles are warnings."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from pepsi.errors import ConfigError
 
 
 def validate_graph(stages: Mapping[str, StageConfig], raw: RawSections) -> list[str]:
-    """Check that every stage named by NEXT/BOUNCE_STAGE exists; return warnings."""
+    """Check that every stage named by NEXT/BOUNCE_STAGE/THEN/ELSE exists; return warnings."""
     for stage in stages.values():
         section = STAGE_PREFIX + stage.name
         keys = raw.get(section, {})
-        for key, target in (("NEXT", stage.next), ("BOUNCE_STAGE", stage.bounce_stage)):
+        edges = (("NEXT", stage.next), ("BOUNCE_STAGE", stage.bounce_stage), *stage.routes)
+        for key, target in edges:
             if target is not None and target not in stages:
                 hint = difflib.get_close_matches(target, list(stages), n=1)
                 raise ConfigError(
@@ -35,12 +37,65 @@ def validate_graph(stages: Mapping[str, StageConfig], raw: RawSections) -> list[
     for stage in stages.values():
         if "OVERFLOW" in raw.get(STAGE_PREFIX + stage.name, {}) and stage.max_length is None:
             warnings.append(f"[stage-{stage.name}] OVERFLOW has no effect without MAX_LENGTH")
+        if stage.next is not None and _ignores_next(stage):
+            warnings.append(
+                f"[stage-{stage.name}] NEXT has no effect: pepsi-stage-{stage.builtin} "
+                + ("goes to THEN or ELSE" if stage.builtin == "if" else "never advances")
+            )
     warnings.extend(
         f"stages {' -> '.join([*cycle, cycle[0]])} form a NEXT cycle: "
         "messages finish only if a stage ends them"
         for cycle in next_cycles(stages)
     )
+    warnings.extend(
+        f"stages {' -> '.join([*cycle, cycle[0]])} form a cycle through a built-in's routes: "
+        "messages finish only if a stage ends them"
+        for cycle in route_cycles(stages)
+    )
     return warnings
+
+
+def _ignores_next(stage: StageConfig) -> bool:
+    """A built-in that never goes on to NEXT: discard, bounce, an if with an ELSE."""
+    if stage.builtin in ("discard", "bounce"):
+        return True
+    return any(key == "ELSE" for key, _ in stage.routes)
+
+
+def route_cycles(stages: Mapping[str, StageConfig]) -> list[list[str]]:
+    """Cycles that take at least one built-in route (THEN, ELSE), one per back edge.
+
+    Pure NEXT cycles are `next_cycles`' to report; a depth-first search over
+    NEXT and the routes finds the others.
+    """
+    edges = {
+        name: [t for t in (s.next, *(target for _, target in s.routes)) if t in stages]
+        for name, s in stages.items()
+    }
+    pure = {frozenset(cycle) for cycle in next_cycles(stages)}
+    found: list[list[str]] = []
+    seen: set[frozenset[str]] = set()
+    done: set[str] = set()
+    for root in stages:
+        if root in done:
+            continue
+        path: list[str] = [root]
+        stack = [iter(edges[root])]
+        while stack:
+            target = next(stack[-1], None)
+            if target is None:
+                done.add(path.pop())
+                stack.pop()
+            elif target in path:
+                cycle = path[path.index(target) :]
+                key = frozenset(cycle)
+                if key not in seen and key not in pure:
+                    seen.add(key)
+                    found.append(cycle)
+            elif target not in done:
+                path.append(target)
+                stack.append(iter(edges[target]))
+    return found
 
 
 def next_cycles(stages: Mapping[str, StageConfig]) -> list[list[str]]:

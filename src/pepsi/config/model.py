@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 OVERLAY_ORIGIN = "pepsi.config_override"
 STAGE_PREFIX = "stage-"
@@ -109,6 +110,16 @@ class StageConfig:
     max_length: int | None = None
     overflow: Overflow = Overflow.REJECT_PUBLISH
     ttl: float | None = None
+    # A built-in (`PROGRAM = pepsi-stage-NAME`): its name and its options as
+    # parsed at load (a frozen object of `pepsi.stages.options`).
+    builtin: str | None = None
+    builtin_options: Any = None
+
+    @property
+    def routes(self) -> tuple[tuple[str, str], ...]:
+        """A built-in's extra edges, (KEY, stage), such as an if stage's THEN and ELSE."""
+        routes: tuple[tuple[str, str], ...] = getattr(self.builtin_options, "routes", ())
+        return routes
 
     @property
     def capacity(self) -> int:
@@ -128,10 +139,11 @@ class Config:
     warnings: tuple[str, ...] = ()
 
     def entry_stages(self) -> list[str]:
-        """Stages no other stage advances or bounces to: where publishing starts."""
+        """Stages no other stage advances, routes or bounces to: where publishing starts."""
         targets = {s.next for s in self.stages.values()} | {
             s.bounce_stage for s in self.stages.values()
         }
+        targets.update(target for s in self.stages.values() for _, target in s.routes)
         return [name for name in self.stages if name not in targets]
 
 

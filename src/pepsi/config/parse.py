@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pepsi.config import values as v
 from pepsi.config.graph import validate_graph
@@ -33,6 +33,9 @@ from pepsi.config.model import (
     origin_of,
 )
 from pepsi.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pepsi.stages.options import Builtin
 
 
 def read_file(path: Path) -> RawSections:
@@ -306,7 +309,15 @@ def parse_config(raw: RawSections, path: Path | None = None) -> Config:
 def _build_stage(
     name: str, section: str, keys: Mapping[str, RawValue], origin: str | None
 ) -> StageConfig:
-    values = _parse_section(section, keys, STAGE_KEYS)
+    program = keys.get("PROGRAM")
+    builtin = None
+    if program is not None and program.value.strip().startswith("pepsi-stage-"):
+        # Imported only for a configuration that uses a built-in (a cheap worker start).
+        from pepsi.stages.options import builtin_named  # noqa: PLC0415
+
+        builtin = builtin_named(program.value)
+    spec = STAGE_KEYS if builtin is None else {**STAGE_KEYS, **builtin.keys}
+    values = _parse_section(section, keys, spec)
     has_program, has_handler = "program" in values, "handler" in values
     if has_program == has_handler:
         problem = (
@@ -315,7 +326,34 @@ def _build_stage(
             else "set PROGRAM (an executable) or HANDLER (package.module:function)"
         )
         raise ConfigError(problem, file=origin, section=section)
+    if builtin is not None:
+        values = _builtin_values(name, section, keys, values, builtin)
     return StageConfig(name=name, **values)
+
+
+def _builtin_values(
+    name: str,
+    section: str,
+    keys: Mapping[str, RawValue],
+    values: dict[str, Any],
+    builtin: Builtin,
+) -> dict[str, Any]:
+    """A built-in's options built from its own keys; it runs in the unified program."""
+    from pepsi.stages.options import OptionError  # noqa: PLC0415
+
+    own_attrs = {attr for attr, _ in builtin.keys.values()}
+    own = {attr: values.pop(attr) for attr in list(values) if attr in own_attrs}
+    try:
+        options = builtin.build(name, own)
+    except OptionError as exc:
+        file = origin_of(keys, exc.key, origin_of(keys, "PROGRAM", None))
+        raise ConfigError(str(exc), file=file, section=section, key=exc.key) from None
+    return {
+        **values,
+        "handler": builtin.handler,  # the unified `pepsi` program hosts it, as a HANDLER
+        "builtin": builtin.name,
+        "builtin_options": options,
+    }
 
 
 # --------------------------------------------------------------------------

@@ -1,4 +1,9 @@
-"""Finding a stage's function: `HANDLER = package.module:function` (W-7)."""
+"""Finding a stage's function: `HANDLER = package.module:function` (W-7).
+
+A built-in (`PROGRAM = pepsi-stage-NAME`) arrives here with the handler its
+registry names (`pepsi.stages.options.BUILTINS`), set by the configuration
+parser: its module is imported like any other, only by its own workers.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from pepsi.errors import WorkerRefused
 from pepsi.stage import Message
 
 StageFunc = Callable[[Message], Any]
+BUILTIN_PACKAGE = "pepsi.stages."
 
 
 def load_handler(stage: StageConfig) -> StageFunc:
@@ -22,6 +28,11 @@ def load_handler(stage: StageConfig) -> StageFunc:
         )
     module_name, _, attr = stage.handler.partition(":")
     where = {"section": f"stage-{stage.name}", "key": "HANDLER"}
+    if stage.builtin is None and module_name.startswith(BUILTIN_PACKAGE):
+        # Its options (IF, SET …) are parsed only for `PROGRAM = pepsi-stage-NAME`.
+        raise WorkerRefused(
+            "a built-in stage is set with PROGRAM = pepsi-stage-NAME, not HANDLER", **where
+        )
     try:
         target: Any = importlib.import_module(module_name)
         for part in attr.split("."):
