@@ -204,6 +204,7 @@ main_dispatch = _alias("dispatch")
 main_ingress = _alias("ingress")
 main_failure_bouncer = _alias("failure-bouncer")
 main_queue = _alias("queue")
+main_settings = _alias("settings")
 
 __all__ = [
     "EX_OK",

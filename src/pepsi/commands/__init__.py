@@ -66,6 +66,7 @@ COMMANDS: tuple[Command, ...] = (
         "move failed messages of stages without BOUNCE_STAGE to the dead-letter sink",
     ),
     Command("queue", "queue_cmd", "inspect and repair the queue"),
+    Command("settings", "settings_cmd", "per-address overrides of stage options"),
     Command("top", "top_cmd", "live view: backlog, workers and rates per stage"),
     Command("systemd", "systemd_cmd", "print the dispatcher's systemd unit"),
     Command("worker", "worker_cmd", "run one stage's worker (started by the dispatcher)"),

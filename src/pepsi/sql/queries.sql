@@ -42,6 +42,85 @@ FROM pepsi.workqueue w
 LEFT JOIN pepsi.workqueue_body b ON %(with_header)s AND b.body_id = w.body_id
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.stage = %(stage)s;
 
+-- name: workqueue_load_running_with_settings
+-- As workqueue_load_running, for a stage that has per-address overrides
+-- (W-9): each row also carries the overrides of its correspondent at this
+-- stage, {address: options} (NULL: none), the envelope sender for a
+-- state.local_origin message, else each recipient, lower-cased (one primary
+-- key probe per address); and whether the stage still has any override.
+SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
+       w.origin_user, host(w.origin_peer), w.header_from, w.subject, w.content_type,
+       w.correlation_id, w.properties, w.state, w.sender_key, w.body_id,
+       CASE WHEN %(with_header)s THEN b.header END AS header,
+       CASE WHEN %(with_body)s THEN b.body END AS body,
+       (SELECT jsonb_object_agg(s.address, s.options)
+        FROM pepsi.settings s
+        WHERE s.stage = %(stage)s
+          AND s.address = ANY (ARRAY(
+              SELECT lower(a) FROM unnest(
+                  CASE WHEN w.state -> 'local_origin' = 'true'::jsonb
+                       THEN ARRAY[w.sender] ELSE w.recipients END) AS a))) AS overrides,
+       EXISTS (SELECT 1 FROM pepsi.settings s WHERE s.stage = %(stage)s) AS any_override
+FROM pepsi.workqueue w
+LEFT JOIN pepsi.workqueue_body b ON %(with_header)s AND b.body_id = w.body_id
+WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.stage = %(stage)s;
+
+-- name: settings_exist_for_stage
+-- Whether a stage has any per-address override: a worker asks at most every
+-- few seconds, and loads with the plain query while the answer is no.
+SELECT EXISTS (SELECT 1 FROM pepsi.settings WHERE stage = %(stage)s);
+
+-- name: workqueue_split_many
+-- W-9: split the rows of a batch whose recipients diverge, in one round trip
+-- (see pepsi.workqueue_split); per row, the new ids (NULL: not split).
+SELECT s.workqueue_id, pepsi.workqueue_split(s.workqueue_id, %(stage)s, s.groups)
+FROM jsonb_to_recordset(%(splits)s::jsonb) AS s(workqueue_id bigint, groups jsonb)
+ORDER BY s.workqueue_id;
+
+-- name: settings_merge
+-- pepsi settings set: lay options ({KEY: value}) over an address's at a stage.
+INSERT INTO pepsi.settings AS s (address, stage, options)
+VALUES (%(address)s, %(stage)s, %(options)s::jsonb)
+ON CONFLICT (address, stage)
+DO UPDATE SET options = s.options || excluded.options, updated = now()
+RETURNING s.address, s.stage, s.options, s.updated;
+
+-- name: settings_get_by_address
+SELECT address, stage, options, updated FROM pepsi.settings
+WHERE address = %(address)s ORDER BY stage;
+
+-- name: settings_list
+-- Every override, or one stage's (its index); in address order.
+SELECT address, stage, options, updated FROM pepsi.settings
+WHERE %(stage)s::text IS NULL OR stage = %(stage)s
+ORDER BY address, stage;
+
+-- name: settings_delete_keys
+-- Remove some options of an address at a stage; the row goes with its last
+-- option (an empty override would only cost the worker a lookup).
+WITH cur AS (
+    SELECT s.address, s.stage, s.options - %(keys)s::text[] AS rest
+    FROM pepsi.settings s
+    WHERE s.address = %(address)s AND s.stage = %(stage)s AND s.options ?| %(keys)s::text[]
+    FOR UPDATE
+), emptied AS (
+    DELETE FROM pepsi.settings s USING cur
+    WHERE s.address = cur.address AND s.stage = cur.stage AND cur.rest = '{}'::jsonb
+    RETURNING 1
+), kept AS (
+    UPDATE pepsi.settings s SET options = cur.rest, updated = now()
+    FROM cur
+    WHERE s.address = cur.address AND s.stage = cur.stage AND cur.rest <> '{}'::jsonb
+    RETURNING 1
+)
+SELECT count(*) FROM cur;
+
+-- name: settings_delete_stage
+DELETE FROM pepsi.settings WHERE address = %(address)s AND stage = %(stage)s;
+
+-- name: settings_delete_address
+DELETE FROM pepsi.settings WHERE address = %(address)s;
+
 -- name: workqueue_body_get
 SELECT CASE WHEN %(with_header)s THEN header END, body
 FROM pepsi.workqueue_body WHERE body_id = %(body_id)s;

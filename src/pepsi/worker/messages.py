@@ -7,6 +7,7 @@ loaded on first access, with one more SELECT.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -18,6 +19,16 @@ from pepsi.stage import BodyLoader, Message, Needs
 Conn = psycopg.Connection[tuple[Any, ...]]
 
 
+@dataclass
+class WithSettings:
+    """Loaded messages, the overrides of those that have any ({address: options}),
+    and whether the stage has any override left at all."""
+
+    messages: dict[int, Message]
+    overrides: dict[int, dict[str, dict[str, str]]]
+    any_override: bool
+
+
 class MessageLoader:
     """Turns ids into the messages still running at one stage, as the stage needs them."""
 
@@ -25,23 +36,37 @@ class MessageLoader:
         self.stage = stage
         self.needs = needs
 
+    def _params(self, ids: list[int]) -> dict[str, Any]:
+        return {
+            "ids": ids,
+            "stage": self.stage.name,
+            "with_header": self.needs is not Needs.METADATA,
+            "with_body": self.needs is Needs.BODY,
+        }
+
     def load(self, conn: Conn, ids: list[int]) -> dict[int, Message]:
         """The rows among `ids` still running at the stage (a repair may have moved one)."""
-        rows = conn.execute(
-            query("workqueue_load_running"),
-            {
-                "ids": ids,
-                "stage": self.stage.name,
-                "with_header": self.needs is not Needs.METADATA,
-                "with_body": self.needs is Needs.BODY,
-            },
-        ).fetchall()
+        rows = conn.execute(query("workqueue_load_running"), self._params(ids)).fetchall()
         return {int(row[0]): self._message(conn, row) for row in rows}
+
+    def load_with_settings(self, conn: Conn, ids: list[int]) -> WithSettings:
+        """As `load`, with each row's per-address overrides at the stage (W-9), same query."""
+        rows = conn.execute(
+            query("workqueue_load_running_with_settings"), self._params(ids)
+        ).fetchall()
+        # No row loaded says nothing of the settings: assume overrides remain.
+        loaded = WithSettings({}, {}, any_override=bool(rows[0][19]) if rows else True)
+        for row in rows:
+            wid = int(row[0])
+            loaded.messages[wid] = self._message(conn, row)
+            if row[18]:
+                loaded.overrides[wid] = row[18]
+        return loaded
 
     def _message(self, conn: Conn, row: tuple[Any, ...]) -> Message:
         (wid, stage, arrived, message_id, sender, recipients, user, peer, header_from,
          subject, content_type, correlation_id, properties, state, sender_key, body_id,
-         header, body) = row  # fmt: skip
+         header, body) = row[:18]  # fmt: skip
         msg = Message(
             id=wid,
             stage=stage,

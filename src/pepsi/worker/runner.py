@@ -8,6 +8,7 @@ and answer one status line per id, in order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -29,6 +30,7 @@ from pepsi.stage import Message, Needs, needs_of
 from pepsi.worker.handlers import StageFunc
 from pepsi.worker.messages import Conn, MessageLoader
 from pepsi.worker.outcomes import Clock, Decision, after_raise, after_return
+from pepsi.worker.settings import OverrideCheck, Plan, plan
 
 log = logging.getLogger("pepsi.worker")
 
@@ -72,6 +74,7 @@ class StageRunner:
         *,
         reconnect: Callable[[], Conn] | None = None,
         now: Clock = utc_now,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stage = stage
         self.stages = config.stages  # where an Advance may go
@@ -81,6 +84,11 @@ class StageRunner:
         self.conn = conn
         self.reconnect = reconnect
         self.now = now
+        self.overrides = OverrideCheck(monotonic)
+        # Once at start, so that a worker's first batch costs what the others do;
+        # if the database is gone, the first batch asks again (and answers 74/75).
+        with contextlib.suppress(psycopg.Error):
+            self._check_overrides()
         self.stage_log = logging.getLogger(f"pepsi.stage.{stage.name}")
         self.loop: asyncio.AbstractEventLoop | None = None
         if inspect.iscoroutinefunction(func):
@@ -129,7 +137,12 @@ class StageRunner:
 
     def _run_batch(self, ids: list[int]) -> bytes:
         started = time.perf_counter_ns()
-        messages = self.messages.load(self.conn, ids)
+        if self.overrides.due():  # at most every few seconds while the stage has none
+            self._check_overrides()
+        if self.overrides.exists:
+            messages = self._load_with_settings(ids)
+        else:
+            messages = self.messages.load(self.conn, ids)
         batch = Batch()
         spent: dict[int, int] = {}
         for wid in ids:
@@ -160,6 +173,53 @@ class StageRunner:
             report = [Pass(self.stage.name, micros, decision.outcome)]
             lines.append(format_status(decision.exit_status, report))
         return b"".join(lines)
+
+    def _check_overrides(self) -> None:
+        row = self.conn.execute(
+            query("settings_exist_for_stage"), {"stage": self.stage.name}
+        ).fetchone()
+        self.overrides.record(bool(row and row[0]))
+
+    def _load_with_settings(self, ids: list[int]) -> dict[int, Message]:
+        """Load with the overrides, lay them over the stage, split diverging rows (W-9).
+
+        The split is its own transaction, committed before the stage runs: if
+        the worker dies after it, the row runs again with its first group
+        only (which resolves to one group: no second split) and the new rows
+        are already pending, once each.
+        """
+        loaded = self.messages.load_with_settings(self.conn, ids)
+        self.overrides.record(loaded.any_override)
+        plans: dict[int, Plan] = {}
+        for wid, msg in loaded.messages.items():
+            plans[wid] = plan(
+                self.stage,
+                msg.recipients,
+                msg.sender,
+                msg.state,
+                overrides=loaded.overrides.get(wid),
+                stages=self.stages,
+            )
+            for problem in plans[wid].problems:
+                self.stage_log.warning("message %d: per-address option ignored: %s", wid, problem)
+        splits = [
+            {"workqueue_id": wid, "groups": [list(g) for g in p.groups]}
+            for wid, p in plans.items()
+            if p.split
+        ]
+        if splits:
+            rows = self.conn.execute(
+                query("workqueue_split_many"), {"stage": self.stage.name, "splits": Jsonb(splits)}
+            ).fetchall()
+            for wid, new_ids in rows:
+                if new_ids is None:  # no longer running here: nothing to do, as in `load`
+                    del loaded.messages[wid]
+                    continue
+                loaded.messages[wid].recipients = plans[wid].groups[0]
+                log.info("message %d split by per-address settings: new %s", wid, new_ids)
+        for wid, msg in loaded.messages.items():
+            msg.options = plans[wid].options[0]
+        return loaded.messages
 
     def _call(self, msg: Message) -> Any:
         result = self.func(msg)

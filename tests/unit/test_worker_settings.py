@@ -1,0 +1,159 @@
+"""Per-address settings (W-9): parsing, overlay, grouping and the recheck, without a database."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pepsi.config import StageConfig
+from pepsi.worker.settings import (
+    OVERRIDABLE,
+    OverrideCheck,
+    normalise_address,
+    overlay,
+    parse_option,
+    parse_overrides,
+    plan,
+)
+
+STAGE = StageConfig(name="a", handler="x:y", next="b", retry_delay=60.0)
+STAGES = {"a", "b", "dead"}
+
+
+def test_overridable_keys_are_those_that_act_on_one_message() -> None:
+    assert set(OVERRIDABLE) == {"MAX_LIFETIME", "RETRY_DELAY", "RETRY_MAX_DELAY", "BOUNCE_STAGE"}
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("RETRY_DELAY", "10s", ("retry_delay", 10.0)),
+        ("retry_delay", "2m", ("retry_delay", 120.0)),
+        ("MAX_LIFETIME", "1h", ("max_lifetime", 3600.0)),
+        ("BOUNCE_STAGE", "dead", ("bounce_stage", "dead")),
+    ],
+)
+def test_parse_option(key: str, value: str, expected: tuple[str, object]) -> None:
+    assert parse_option(key, value, STAGES) == expected
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("NEXT", "b", "NEXT cannot be set per address"),
+        ("HANDLER", "a:b", "HANDLER cannot be set per address"),
+        ("PARALLELISM", "2", "PARALLELISM cannot be set per address"),
+        ("COLOUR", "red", "unknown key COLOUR"),
+        ("RETRY_DELAY", "soon", "RETRY_DELAY: "),
+        ("BOUNCE_STAGE", "nowhere", "BOUNCE_STAGE: no stage named 'nowhere'"),
+        ("BOUNCE_STAGE", "Bad Name", "BOUNCE_STAGE: "),
+    ],
+)
+def test_parse_option_refuses(key: str, value: str, problem: str) -> None:
+    with pytest.raises(ValueError, match="^" + problem.replace("(", r"\(")) as info:
+        parse_option(key, value, STAGES)
+    assert "\n" not in str(info.value)
+
+
+def test_unusable_stored_options_are_skipped_with_a_problem() -> None:
+    parsed, problems = parse_overrides({"RETRY_DELAY": "5s", "BOUNCE_STAGE": "gone"}, STAGES)
+    assert parsed == (("retry_delay", 5.0),)
+    assert problems == ["BOUNCE_STAGE: no stage named 'gone'"]
+
+
+def test_overlay() -> None:
+    assert overlay(STAGE, ()) is STAGE
+    changed = overlay(STAGE, (("bounce_stage", "dead"), ("retry_delay", 1.0)))
+    assert (changed.retry_delay, changed.bounce_stage, changed.next) == (1.0, "dead", "b")
+
+
+@pytest.mark.parametrize("good", ["Alice@Example.ORG", " bob@x ", "postmaster"])
+def test_normalise_address(good: str) -> None:
+    assert normalise_address(good) == good.strip().lower()
+
+
+@pytest.mark.parametrize("bad", ["", "  ", "a b@x", "a@b@c", "@x", "a@", "x\x00@y", "a" * 321])
+def test_normalise_address_refuses(bad: str) -> None:
+    with pytest.raises(ValueError, match="not an address"):
+        normalise_address(bad)
+
+
+def test_no_override_is_one_group_with_the_stage_as_it_is() -> None:
+    result = plan(STAGE, ["a@x", "b@x"], "s@y", {}, overrides=None, stages=STAGES)
+    assert result.groups == (("a@x", "b@x"),)
+    assert result.options == (STAGE,)
+    assert not result.split
+
+
+def test_one_override_shared_by_every_recipient_is_no_split() -> None:
+    overrides = {"a@x": {"RETRY_DELAY": "5s"}, "b@x": {"retry_delay": "5"}}
+    result = plan(STAGE, ["A@x", "b@x"], None, {}, overrides=overrides, stages=STAGES)
+    assert result.groups == (("A@x", "b@x"),)
+    assert result.options[0].retry_delay == 5.0
+
+
+def test_diverging_recipients_are_grouped_first_group_first() -> None:
+    overrides = {"b@x": {"RETRY_DELAY": "5s"}, "d@x": {"RETRY_DELAY": "5s"}, "c@x": {"TTL": "1"}}
+    result = plan(STAGE, ["a@x", "b@x", "c@x", "d@x"], None, {}, overrides=overrides, stages=STAGES)
+    # c@x's only option is not overridable: it resolves to none, like a@x.
+    assert result.groups == (("a@x", "c@x"), ("b@x", "d@x"))
+    assert [o.retry_delay for o in result.options] == [60.0, 5.0]
+    assert result.split
+    assert result.problems == ("c@x: TTL cannot be set per address (only "
+                               "MAX_LIFETIME, RETRY_DELAY, RETRY_MAX_DELAY, BOUNCE_STAGE)",)  # fmt: skip
+
+
+def test_local_origin_takes_the_senders_options_and_never_splits() -> None:
+    overrides = {"s@y": {"MAX_LIFETIME": "1m"}, "b@x": {"RETRY_DELAY": "5s"}}
+    state = {"local_origin": True}
+    result = plan(STAGE, ["a@x", "b@x"], "S@y", state, overrides=overrides, stages=STAGES)
+    assert result.groups == (("a@x", "b@x"),)
+    assert (result.options[0].max_lifetime, result.options[0].retry_delay) == (60.0, 60.0)
+
+
+ADDRESSES = st.sampled_from([f"u{i}@x" for i in range(8)])
+OPTIONS = st.sampled_from([{}, {"RETRY_DELAY": "5s"}, {"RETRY_DELAY": "5"}, {"MAX_LIFETIME": "1h"}])
+
+
+@given(st.lists(ADDRESSES, max_size=12), st.dictionaries(ADDRESSES, OPTIONS))
+def test_every_recipient_ends_in_exactly_one_group(
+    recipients: list[str], overrides: dict[str, dict[str, str]]
+) -> None:
+    result = plan(STAGE, recipients, None, {}, overrides=overrides, stages=STAGES)
+    flat = [r for group in result.groups for r in group]
+    assert Counter(flat) == Counter(recipients)
+    assert len(result.groups) == len(result.options)
+    assert all(result.groups) or recipients == []
+    # Groups differ in their options; members of a group share them.
+    assert len(set(result.options)) == len(result.options)
+    for group, options in zip(result.groups, result.options, strict=True):
+        for member in group:
+            alone = plan(STAGE, [member], None, {}, overrides=overrides, stages=STAGES)
+            assert alone.options == (options,)
+    # The first group is the first recipient's: it stays on the row.
+    if recipients:
+        assert result.groups[0][0] == recipients[0]
+        # A row that holds only its first group is never split again.
+        again = plan(STAGE, result.groups[0], None, {}, overrides=overrides, stages=STAGES)
+        assert not again.split
+
+
+def test_override_check_asks_at_most_every_interval_while_there_is_none() -> None:
+    now = [100.0]
+    check = OverrideCheck(lambda: now[0], interval=5.0)
+    assert check.due()
+    check.record(False)
+    assert not check.due()
+    now[0] += 4.9
+    assert not check.due()
+    now[0] += 0.1
+    assert check.due()
+    check.record(True)
+    now[0] += 100
+    assert not check.due()  # known to exist: every load carries them and says when none remain
+    assert check.exists
+    check.record(False)
+    assert not check.due()
