@@ -10,14 +10,16 @@ import asyncio
 from datetime import UTC, datetime
 
 from pepsi.config import Config, DispatchOptions, StageConfig
+from pepsi.dispatch import reload
 from pepsi.dispatch.decisions import Exit
 from pepsi.dispatch.fairness import FairShare
 from pepsi.dispatch.flusher import StatsFlusher
 from pepsi.dispatch.ledger import Claimed, InFlight
+from pepsi.dispatch.pool import PoolOptions
 from pepsi.dispatch.rows import RowWriter, strike_delays
 from pepsi.dispatch.session import backoff
 from pepsi.dispatch.stats import Stats
-from pepsi.dispatch.supervisor import PoolOptions, PoolSupervisor
+from pepsi.dispatch.supervisor import PoolSupervisor
 from pepsi.dispatch.sweeper import Sweeper, SweepOptions
 from pepsi.dispatch.workers import WorkerProcess
 from pepsi.errors import EX_IOERR, EX_TEMPFAIL
@@ -332,3 +334,43 @@ def test_an_idle_worker_is_asked_to_stop_after_the_idle_timeout() -> None:
     assert not worker.stopping
     asyncio.run(tend_at(5.0))
     assert worker.stopping
+
+
+# ---- reloads (P-10) --------------------------------------------------------------------
+
+
+def test_a_reload_names_what_it_adds_removes_and_changes() -> None:
+    old = {"a": StageConfig("a", handler="m:f"), "b": StageConfig("b", handler="m:g")}
+    new = {"a": StageConfig("a", handler="m:f2"), "c": StageConfig("c", handler="m:h")}
+    changes = reload.diff(old, new)
+    assert changes == reload.StageChanges(added=("c",), removed=("b",), changed=("a",))
+    assert changes.describe() == "added c; removed b; changed a"
+    assert reload.diff(old, old).describe() == "no stage changed"
+
+
+def test_a_reload_keeps_a_stages_history_and_retires_every_worker() -> None:
+    supervisor, _ = _supervisor(Clock(), parallelism=2)
+    pool = supervisor.pools["s"]
+    pool.pace.observe(0.02)
+    pool.isolate.extend([7])
+    a, b = _worker(supervisor, 1, [10]), _worker(supervisor, 2, [])
+    changed = StageConfig("s", handler="tests.stages:count", parallelism=3)
+    retiring = supervisor.reconfigure(Config(None, stages={"s": changed}))
+    assert retiring == [a, b]
+    assert [a.stopping, b.stopping] == [True, True]  # no new ids for them
+    assert supervisor.pools["s"] is pool  # its pace and suspects are kept
+    assert pool.config == changed
+    assert pool.pace.seconds == 0.02
+
+
+def test_a_removed_stage_stays_reachable_until_its_workers_exit() -> None:
+    supervisor, _ = _supervisor(Clock())
+    worker = _worker(supervisor, 1, [10])
+    supervisor.pools["s"].isolate.extend([11])
+    supervisor.reconfigure(Config(None))
+    assert supervisor.pools == {}
+    assert supervisor.ledger.rows.requeues["s"] == [11]  # its suspect goes back
+    assert supervisor.held() == [10]  # still in flight: not reset as an orphan
+    supervisor.on_exit(worker, Exit(0, True, True, "exited with status 0", (10,)))
+    assert supervisor.retired == {}
+    assert supervisor.ledger.rows.requeues["s"] == [11, 10]

@@ -51,7 +51,7 @@ class Command:
 
 COMMANDS: tuple[Command, ...] = (
     Command("setup", "setup_cmd", "install or upgrade the database schema"),
-    Command("config", "config_cmd", "check the configuration"),
+    Command("config", "config_cmd", "check the configuration; reload, set, unset (live)"),
     Command("db", "db_cmd", "manage the embedded database, show the one in use"),
     Command("dispatch", "dispatch_cmd", "run the dispatcher"),
     Command(

@@ -1,4 +1,5 @@
-"""`pepsi config check` (alias `pepsi-config check`): validate and show the stage graph."""
+"""`pepsi config check|reload|set|unset` (alias `pepsi-config`): the stage graph, and
+live reconfiguration through the database overlay (P-10)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pepsi.errors import EX_OK, ConfigError
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from pepsi.admin.overlay import Change
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("config", help=summary("config"))
@@ -24,6 +27,35 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "exists), validate the stage graph and print it. Exit 0 if valid, 1 otherwise.",
     )
     check.set_defaults(handler=run_check)
+    reload = actions.add_parser(
+        "reload",
+        help="ask the running dispatcher to reload the file and the overlay",
+        description="Send NOTIFY config_changed: the dispatcher reads pepsi.conf and the "
+        "database overlay again, swaps its stage table and retires every live worker "
+        "(SIGHUP to the dispatcher does the same). A graph that does not parse stops it "
+        "with exit 78; [pepsi-dispatch] changes need a restart (docs/configuration.md).",
+    )
+    reload.set_defaults(handler=run_reload)
+    set_ = actions.add_parser(
+        "set",
+        help="set keys in the database overlay and reload",
+        description="Write SECTION.KEY=VALUE rows into pepsi.config_override (for example "
+        "stage-deliver.PARALLELISM=8, or a whole new stage: stage-extra.HANDLER=pkg.mod:fn) "
+        "and notify the dispatcher, in one transaction. The result is checked as the "
+        "dispatcher will load it, file plus overlay: if it does not load, nothing is written. "
+        "[pepsi-dispatch] cannot be set here.",
+    )
+    set_.add_argument("assignments", nargs="+", metavar="SECTION.KEY=VALUE")
+    set_.set_defaults(handler=run_set)
+    unset = actions.add_parser(
+        "unset",
+        help="remove keys from the database overlay and reload",
+        description="Delete SECTION.KEY rows from pepsi.config_override (the file's value, "
+        "or the default, applies again) and notify the dispatcher, in one transaction, "
+        "if the result still loads.",
+    )
+    unset.add_argument("keys", nargs="+", metavar="SECTION.KEY")
+    unset.set_defaults(handler=run_unset)
 
 
 def run_check(args: argparse.Namespace, ctx: Context) -> int:
@@ -38,6 +70,43 @@ def run_check(args: argparse.Namespace, ctx: Context) -> int:
     for warning in config.warnings:
         console.print(f"warning: {warning}", highlight=False, markup=False)
     console.print(f"{config.path}: OK", highlight=False, markup=False)
+    return EX_OK
+
+
+def run_reload(args: argparse.Namespace, ctx: Context) -> int:
+    from pepsi.admin import overlay  # noqa: PLC0415  # the driver only when it is needed
+    from pepsi.admin.connection import open_current  # noqa: PLC0415
+
+    with open_current(ctx.config(), application_name="pepsi-config") as conn:
+        overlay.request_reload(conn)
+    print("reload requested (NOTIFY config_changed)")
+    return EX_OK
+
+
+def run_set(args: argparse.Namespace, ctx: Context) -> int:
+    from pepsi.admin import overlay  # noqa: PLC0415
+
+    changes = [overlay.parse_assignment(a, with_value=True) for a in args.assignments]
+    return _apply(ctx, changes)
+
+
+def run_unset(args: argparse.Namespace, ctx: Context) -> int:
+    from pepsi.admin import overlay  # noqa: PLC0415
+
+    changes = [overlay.parse_assignment(k, with_value=False) for k in args.keys]
+    return _apply(ctx, changes)
+
+
+def _apply(ctx: Context, changes: list[Change]) -> int:
+    from pepsi.admin import overlay  # noqa: PLC0415
+    from pepsi.admin.connection import open_current  # noqa: PLC0415
+
+    with open_current(ctx.config(), application_name="pepsi-config") as conn:
+        config = overlay.apply(conn, ctx.config(), changes)
+    for change in changes:
+        shown = "(unset)" if change.value is None else change.value
+        print(f"[{change.section}] {change.key} = {shown}")
+    print(f"{len(config.stages)} stages; reload requested (NOTIFY config_changed)")
     return EX_OK
 
 

@@ -7,8 +7,8 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from pepsi.commands import summary
-from pepsi.config import Config, read_overlay, with_overlay
-from pepsi.db import connect, schema
+from pepsi.db import connect
+from pepsi.dispatch import reload
 from pepsi.dispatch.coordinator import Dispatcher
 
 if TYPE_CHECKING:
@@ -32,13 +32,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_serve(args: argparse.Namespace, ctx: Context) -> int:
-    target = connect.resolve(ctx.config())
-    return asyncio.run(Dispatcher(_with_overlay(ctx.config(), target.dsn), target.dsn).serve())
-
-
-def _with_overlay(config: Config, dsn: str) -> Config:
-    """The file's configuration with the database overlay's stages (checked schema first)."""
-    timeout = config.postgres.connect_timeout
-    with connect.connect(dsn, timeout=timeout, application_name="pepsi-dispatch") as conn:
-        schema.require_current(conn)
-        return with_overlay(config, read_overlay(conn))
+    config = ctx.config()
+    target = connect.resolve(config)
+    # the file again with the database overlay: the table a reload would build
+    config = reload.load(config.path, target.dsn, config.postgres.connect_timeout)
+    return asyncio.run(Dispatcher(config, target.dsn).serve())

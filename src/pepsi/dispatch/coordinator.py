@@ -18,6 +18,7 @@ import logging
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,19 +26,29 @@ import psycopg
 
 from pepsi.admin.horizon import Probe
 from pepsi.config import Config
-from pepsi.dispatch import decisions, fairness
+from pepsi.dispatch import decisions, fairness, reload
 from pepsi.dispatch.claimer import Claimer
 from pepsi.dispatch.flusher import StatsFlusher
 from pepsi.dispatch.ledger import InFlight
 from pepsi.dispatch.listener import Listener
 from pepsi.dispatch.metrics import Gauges, MetricsServer, Snapshot
+from pepsi.dispatch.pool import PoolOptions
 from pepsi.dispatch.rows import RowWriter
 from pepsi.dispatch.session import Session, SessionOptions, StopRequested
 from pepsi.dispatch.stats import Stats
-from pepsi.dispatch.supervisor import PoolOptions, PoolSupervisor
+from pepsi.dispatch.supervisor import PoolSupervisor
 from pepsi.dispatch.sweeper import Sweeper, SweepOptions
 from pepsi.dispatch.vacuum import Vacuum
-from pepsi.errors import EX_OK, AlreadyRunning, ConfigError, is_reconnect, one_line
+from pepsi.durations import format_seconds
+from pepsi.errors import (
+    EX_CONFIG,
+    EX_OK,
+    AlreadyRunning,
+    ConfigError,
+    PepsiError,
+    is_reconnect,
+    one_line,
+)
 
 __all__ = ["AlreadyRunning", "Dispatcher"]
 
@@ -57,6 +68,10 @@ class Dispatcher:
         self.wake_event = asyncio.Event()
         self.wake_causes: set[str] = set()  # since the loop last slept (P-9)
         self.stopping = False
+        self.exit_code = EX_OK
+        self.reload_requested = False  # P-10: config_changed or SIGHUP
+        self.reload_at = 0.0  # a failed overlay read is retried from then
+        self.retire_requested = False  # P-11: telemetry_changed
         self.started_at = datetime.now(UTC)
         options = config.dispatch
         self.stats = Stats()
@@ -69,7 +84,7 @@ class Dispatcher:
         self.ledger = InFlight(self.rows, self.stats, fair, clock)
         session_options = SessionOptions.from_config(config, dsn)
         self.session = Session(session_options, lambda: self.stopping, clock)
-        self.listener = Listener(session_options, self.wake)
+        self.listener = Listener(session_options, self.wake, self.on_channel)
         self.claimer = Claimer(fair)
         self.sweeper = Sweeper(SweepOptions.from_config(config), self.stats, clock)
         self.flusher = StatsFlusher(self.stats, options.stats_interval, self.started_at, clock)
@@ -89,6 +104,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         try:
             await self.session.open()
         except StopRequested:
@@ -114,7 +130,20 @@ class Dispatcher:
             self.ledger.answered_total,
             self.claimer.statements,
         )
-        return EX_OK
+        return self.exit_code
+
+    def request_reload(self) -> None:
+        """P-10: rebuild the stage table at the next cycle (SIGHUP, config_changed)."""
+        self.reload_requested = True
+        self.reload_at = 0.0
+        self.wake_event.set()
+
+    def on_channel(self, channel: str) -> None:
+        if channel == "config_changed":
+            self.request_reload()
+        elif channel == "telemetry_changed":
+            self.retire_requested = True
+            self.wake_event.set()
 
     def request_stop(self) -> None:
         if not self.stopping:
@@ -204,6 +233,14 @@ class Dispatcher:
         """One pass: tend, settle, sweep, isolate, claim and feed, vacuum, flush."""
         conn = self.session.conn
         assert conn is not None
+        if self.reload_requested and self.clock() >= self.reload_at:
+            await self._reload()
+            if self.stopping:
+                return
+        if self.retire_requested:
+            self.retire_requested = False
+            n = self.supervisor.retire_all()
+            log.info("telemetry switch changed: %d live workers retired", n)
         self.supervisor.tend()
         if self.rows:
             soonest = await self.rows.flush(conn, self.clock())
@@ -219,6 +256,42 @@ class Dispatcher:
         if self.flusher.due(self.supervisor.idle()):
             await self.flusher.run_once(conn)
 
+    async def _reload(self) -> None:
+        """P-10: the file and the overlay again; swap the stage table, retire every worker."""
+        timeout = self.config.postgres.connect_timeout
+        try:
+            config = await asyncio.to_thread(reload.load, self.config.path, self.dsn, timeout)
+        except ConfigError as exc:  # a graph that does not parse: stop, exit 78
+            log.error("configuration reload failed: %s; stopping (exit 78)", exc)
+            self.reload_requested = False
+            self.exit_code = EX_CONFIG
+            self.request_stop()
+            return
+        except Exception as exc:
+            if not (isinstance(exc, PepsiError | psycopg.Error)):
+                raise
+            # an overlay that cannot be read is not a new configuration
+            retry = self.config.dispatch.poll_interval
+            log.warning(
+                "cannot read the configuration overlay (%s); keeping the current stages, "
+                "retrying in %s", one_line(exc), format_seconds(retry),
+            )  # fmt: skip
+            self.reload_at = self.clock() + retry
+            return
+        self.reload_requested = False
+        changes = reload.diff(self.config.stages, config.stages)
+        if config.dispatch != self.config.dispatch:
+            log.warning("[pepsi-dispatch] changed: it takes effect at the next start")
+        # [pepsi-dispatch] is not reloaded: the services were built from it
+        self.config = replace(config, dispatch=self.config.dispatch)
+        self.sweeper.options = replace(self.sweeper.options, stages=tuple(config.stages.values()))
+        retiring = self.supervisor.reconfigure(self.config)
+        await self.supervisor.terminate(retiring)  # nothing runs the old table after this
+        log.info(
+            "configuration reloaded: %d stages (%s); %d workers retired",
+            len(config.stages), changes.describe(), len(retiring),
+        )  # fmt: skip
+
     async def _restore(self, conn: AConn) -> None:
         """On a new connection: write what waited, then reset rows nobody holds (P-2)."""
         await self.rows.flush(conn, self.clock())
@@ -228,6 +301,7 @@ class Dispatcher:
         return decisions.sleep_time(
             self.clock(),
             [
+                *([self.reload_at] if self.reload_requested else []),
                 *self.sweeper.deadlines(),
                 *self.flusher.deadlines(self.supervisor.idle()),
                 *self.supervisor.deadlines(),

@@ -1,4 +1,5 @@
-"""The listener: LISTEN on `workqueue`, one wakeup per notification burst (P-3).
+"""The listener: LISTEN on `workqueue`, one wakeup per notification burst (P-3);
+and on `config_changed` (P-10) and `telemetry_changed` (P-11).
 
 It runs on a connection of its own for the dispatcher's whole life. The
 payload is ignored: a notification only says "look". A (re)connection wakes
@@ -20,9 +21,15 @@ log = logging.getLogger("pepsi.dispatch")
 
 
 class Listener:
-    def __init__(self, options: SessionOptions, wake: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        options: SessionOptions,
+        wake: Callable[[str], None],
+        on_channel: Callable[[str], None],
+    ) -> None:
         self.options = options
         self.wake = wake
+        self.on_channel = on_channel  # config_changed, telemetry_changed
         self.listening = False  # since the last connection error
 
     async def run(self) -> None:
@@ -47,8 +54,12 @@ class Listener:
         options = self.options
         conn = await connect(options.dsn, "pepsi-dispatch-listen", options.connect_timeout)
         async with conn:
-            await conn.execute(query("workqueue_listen"))
+            for name in ("workqueue_listen", "config_listen", "telemetry_listen"):
+                await conn.execute(query(name))
             self.listening = True
             self.wake("notify")  # a (re)connection may have missed notifications
-            async for _ in conn.notifies():
-                self.wake("notify")
+            async for notify in conn.notifies():
+                if notify.channel == "workqueue":
+                    self.wake("notify")
+                else:
+                    self.on_channel(notify.channel)

@@ -13,101 +13,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from pepsi.config import Config, StageConfig
+from pepsi.config import Config
 from pepsi.dispatch import backpressure, decisions, pools
 from pepsi.dispatch.ledger import Claimed, InFlight
+from pepsi.dispatch.pool import PoolOptions, StagePool, worker_argv
 from pepsi.dispatch.stats import Stats
-from pepsi.dispatch.workers import WorkerProcess, resolve_program
+from pepsi.dispatch.workers import WorkerProcess
 from pepsi.durations import format_seconds
 from pepsi.protocol import StatusLine
 
 log = logging.getLogger("pepsi.dispatch")
-
-
-@dataclass(frozen=True)
-class PoolOptions:
-    dsn: str
-    config_file: Path | None  # [pepsi-dispatch] CONFIG_FILE: passed to external programs
-    config_path: Path | None  # the file the dispatcher read: the unified program reads it too
-    idle_timeout: float  # WORKER_IDLE_TIMEOUT
-    ready_timeout: float  # WORKER_READY_TIMEOUT
-    stop_timeout: float  # WORKER_STOP_TIMEOUT
-    kill_grace: float  # WORKER_KILL_GRACE
-    start_cooldown: float  # START_COOLDOWN
-    tempfail_window: float  # TEMPFAIL_WINDOW
-
-    @classmethod
-    def from_config(cls, config: Config, dsn: str) -> PoolOptions:
-        d = config.dispatch
-        return cls(
-            dsn,
-            d.config_file,
-            config.path,
-            d.worker_idle_timeout,
-            d.worker_ready_timeout,
-            d.worker_stop_timeout,
-            d.worker_kill_grace,
-            d.start_cooldown,
-            d.tempfail_window,
-        )
-
-
-@dataclass
-class StagePool:
-    config: StageConfig
-    workers: dict[int, WorkerProcess] = field(default_factory=dict)
-    cooldown_until: float = 0.0
-    # Claimed ids whose worker died with several of them in flight: which one
-    # killed it is unknown, so each runs alone on an empty worker (W-6).
-    isolate: deque[int] = field(default_factory=deque)
-    pace: pools.Pace = field(default_factory=pools.Pace)
-
-    def loads(self) -> list[pools.WorkerLoad]:
-        """Loads of every live worker: a stopping one still counts toward PARALLELISM."""
-        window, budget = self.window(), self.config.max_messages
-        return [w.load(window, budget) for w in self.workers.values()]
-
-    def facts(self) -> list[decisions.WorkerFacts]:
-        return [w.facts() for w in self.workers.values()]
-
-    def window(self) -> int:
-        return self.pace.window(self.config.queue_limit)
-
-    def limit(self, cap: int | None) -> int:
-        return pools.worker_limit(self.config.parallelism, cap)
-
-    def rules(self, cap: int | None, options: PoolOptions) -> decisions.PoolRules:
-        return decisions.PoolRules(
-            limit=self.limit(cap),
-            max_runtime=self.config.max_runtime,
-            max_messages=self.config.max_messages,
-            ready_timeout=options.ready_timeout,
-            idle_timeout=options.idle_timeout,
-        )
-
-    def free(self, now: float, cap: int | None) -> int:
-        if now < self.cooldown_until:
-            return 0
-        free = pools.free_capacity(self.loads(), self.limit(cap), self.window())
-        return max(0, free - len(self.isolate))
-
-
-def worker_argv(stage: StageConfig, options: PoolOptions) -> list[str]:
-    """`PROGRAM [-c FILE] worker`; FileNotFoundError if PROGRAM is not on PATH."""
-    if stage.handler is not None:
-        # The unified program; it needs the configuration to find the handler.
-        path = options.config_file or options.config_path
-        conf = ["-c", str(path)] if path else []
-        return [sys.executable, "-m", "pepsi", *conf, "worker"]
-    assert stage.program is not None
-    conf = ["-c", str(options.config_file)] if options.config_file else []
-    return [resolve_program(stage.program), *conf, "worker"]
 
 
 class PoolSupervisor:
@@ -127,6 +44,8 @@ class PoolSupervisor:
         self.wake = wake
         self.clock = clock
         self.pools = {name: StagePool(stage) for name, stage in config.stages.items()}
+        # Stages a reload removed, until their retired workers have exited.
+        self.retired: dict[str, StagePool] = {}
         self.caps: dict[str, backpressure.Cap] = {}
         self.tempfail_from: str | None = None  # a stage whose worker said 75 this cycle
         self.next_key = 0
@@ -149,7 +68,10 @@ class PoolSupervisor:
         for row in claimed:
             by_stage.setdefault(row.stage, []).append(row.wid)
         for stage, ids in by_stage.items():
-            await self._feed_stage(self.pools[stage], ids)
+            if stage in self.pools:
+                await self._feed_stage(self.pools[stage], ids)
+            else:  # removed by a reload while the claim ran
+                self.ledger.requeue(stage, ids)
 
     async def _feed_stage(self, pool: StagePool, ids: list[int]) -> None:
         stage = pool.config.name
@@ -243,10 +165,13 @@ class PoolSupervisor:
                     worker.timed_out = worker.timed_out or action.timed_out
                     worker.kill(action.reason)
                 else:
-                    worker.close_input()
-                    task = asyncio.get_running_loop().create_task(self._reap(worker))
-                    self._reaping.add(task)
-                    task.add_done_callback(self._reaping.discard)
+                    self._stop(worker)
+
+    def _stop(self, worker: WorkerProcess) -> None:
+        worker.close_input()
+        task = asyncio.get_running_loop().create_task(self._reap(worker))
+        self._reaping.add(task)
+        task.add_done_callback(self._reaping.discard)
 
     async def _reap(self, worker: WorkerProcess) -> None:
         """A worker asked to finish gets WORKER_STOP_TIMEOUT, then is killed."""
@@ -284,25 +209,67 @@ class PoolSupervisor:
 
     def idle(self) -> bool:
         """No worker holds a message: the pipeline has gone idle (P-9)."""
-        return not any(w.inflight for p in self.pools.values() for w in p.workers.values())
+        return not any(w.inflight for p in self._all_pools() for w in p.workers.values())
 
     def held(self) -> list[int]:
         """Claimed ids a worker holds or that wait to run alone."""
         return [
             wid
-            for pool in self.pools.values()
+            for pool in self._all_pools()
             for ids in (*(w.inflight for w in pool.workers.values()), pool.isolate)
             for wid in ids
         ]
 
     async def shutdown(self) -> None:
         """Stop every worker (SIGTERM, then SIGKILL); what they held goes back."""
-        workers = [w for pool in self.pools.values() for w in pool.workers.values()]
-        await asyncio.gather(*(w.terminate() for w in workers), return_exceptions=True)
-        await asyncio.gather(*(w.wait_closed() for w in workers), return_exceptions=True)
+        await self.terminate([w for pool in self._all_pools() for w in pool.workers.values()])
         for name, pool in self.pools.items():
             self.ledger.requeue(name, list(pool.isolate))
             pool.isolate.clear()
+
+    # ---- reconfiguration (P-10, P-11) -------------------------------------------
+
+    def reconfigure(self, config: Config) -> list[WorkerProcess]:
+        """Take the new stage table; every live worker is to be retired (returned).
+
+        A kept stage keeps its pace and fair-share history; a removed one's
+        suspects go back to pending, and its pool stays reachable until its
+        workers have exited.
+        """
+        retiring = [w for pool in self._all_pools() for w in pool.workers.values()]
+        for worker in retiring:
+            worker.stopping = True  # no new ids from now on
+        pools: dict[str, StagePool] = {}
+        for name, stage in config.stages.items():
+            pool = self.pools.get(name) or self.retired.pop(name, None) or StagePool(stage)
+            pool.config = stage
+            pools[name] = pool
+        for name, pool in self.pools.items():
+            if name not in pools:
+                self.ledger.requeue(name, list(pool.isolate))
+                pool.isolate.clear()
+                if pool.workers:
+                    self.retired[name] = pool
+        self.pools = pools
+        return retiring
+
+    def retire_all(self) -> int:
+        """Ask every live worker to finish and exit (a new one reads the file afresh)."""
+        live = [w for pool in self._all_pools() for w in pool.workers.values() if not w.stopping]
+        for worker in live:
+            self._stop(worker)
+        return len(live)
+
+    async def terminate(self, workers: Sequence[WorkerProcess]) -> None:
+        """SIGTERM (then SIGKILL) and wait: what they held is requeued by their exits."""
+        await asyncio.gather(*(w.terminate() for w in workers), return_exceptions=True)
+        await asyncio.gather(*(w.wait_closed() for w in workers), return_exceptions=True)
+
+    def _pool(self, stage: str) -> StagePool:
+        return self.pools.get(stage) or self.retired[stage]
+
+    def _all_pools(self) -> list[StagePool]:
+        return [*self.pools.values(), *self.retired.values()]
 
     # ---- events from workers ----------------------------------------------------
 
@@ -321,11 +288,13 @@ class PoolSupervisor:
 
     def on_answers(self, worker: WorkerProcess, seconds_each: float) -> None:
         """A read of its answers: the stage's pace, which sizes its window (P-6)."""
-        self.pools[worker.stage].pace.observe(seconds_each)
+        self._pool(worker.stage).pace.observe(seconds_each)
 
     def on_exit(self, worker: WorkerProcess, exit_: decisions.Exit) -> None:
-        pool = self.pools[worker.stage]
+        pool = self._pool(worker.stage)
         pool.workers.pop(worker.key, None)
+        if not pool.workers and self.retired.get(worker.stage) is pool:
+            del self.retired[worker.stage]  # a removed stage's last worker is gone
         self.stats.count("workers_retired" if exit_.expected else "workers_crashed")
         stage, pid = worker.stage, worker.pid
         match decisions.on_exit(exit_):

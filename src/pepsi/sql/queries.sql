@@ -392,6 +392,24 @@ NOTIFY workqueue;
 -- name: workqueue_listen
 LISTEN workqueue;
 
+-- name: config_listen
+-- P-10: `pepsi config reload|set|unset` (and whoever edits the overlay) say so here.
+LISTEN config_changed;
+
+-- name: config_notify_changed
+NOTIFY config_changed;
+
+-- name: config_override_upsert
+INSERT INTO pepsi.config_override (section, key, value) VALUES (%(section)s, %(key)s, %(value)s)
+ON CONFLICT (section, key) DO UPDATE SET value = EXCLUDED.value, updated = now();
+
+-- name: config_override_delete
+DELETE FROM pepsi.config_override WHERE section = %(section)s AND key = %(key)s;
+
+-- name: telemetry_listen
+-- P-11: the telemetry switch changed; every live worker is retired.
+LISTEN telemetry_changed;
+
 -- name: server_version
 SHOW server_version;
 
