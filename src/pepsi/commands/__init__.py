@@ -69,6 +69,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("settings", "settings_cmd", "per-address overrides of stage options"),
     Command("top", "top_cmd", "live view: backlog, workers and rates per stage"),
     Command("systemd", "systemd_cmd", "print the dispatcher's systemd unit"),
+    Command("telemetry", "telemetry_cmd", "turn feature telemetry on or off; show its status"),
     Command("worker", "worker_cmd", "run one stage's worker (started by the dispatcher)"),
 )
 

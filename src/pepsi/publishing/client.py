@@ -25,6 +25,7 @@ from typing import Any, Self, TypeVar
 import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
+from pepsi import telemetry
 from pepsi.config import (
     Config,
     OverlayRow,
@@ -198,6 +199,12 @@ class Publisher(_Core):
         items = list(messages)
         if not items:
             return []
+        if self.base.pepsi.share_telemetry:  # P-11: a publish span, its context in each message
+            with telemetry.for_publisher(self.base).publish(items) as traced:
+                return self._publish(traced, connection)
+        return self._publish(items, connection)
+
+    def _publish(self, items: list[OutgoingMessage], connection: AnyConn | None) -> list[int]:
         if self._needs_refresh(items):
             self._run(connection, self._refresh)
         call = batch.build(items, self.current)
@@ -322,6 +329,14 @@ class AsyncPublisher(_Core):
         if not items:
             return []
         self._require_open()
+        if self.base.pepsi.share_telemetry:  # P-11: a publish span, its context in each message
+            with telemetry.for_publisher(self.base).publish(items) as traced:
+                return await self._publish_on(connection, traced)
+        return await self._publish_on(connection, items)
+
+    async def _publish_on(
+        self, connection: AnyAConn | None, items: list[OutgoingMessage]
+    ) -> list[int]:
         try:
             if connection is not None:
                 return await self._publish(connection, items)

@@ -460,3 +460,24 @@ SELECT kind, age_s, pid, usename, application_name, client, state, gid FROM (
 ) AS holders
 ORDER BY age_s DESC
 LIMIT 1;
+
+-- name: telemetry_worker_mark
+-- P-11: a `pepsi worker` connection holds one of two shared locks for its session, next to
+-- the dispatcher's 'peps' key: 1885696117 if it reports telemetry, 1885696118 if not, so
+-- that `pepsi telemetry status` counts workers (not a stage's own connections) in pg_locks.
+SELECT pg_advisory_lock_shared(CASE WHEN %(on)s THEN 1885696117 ELSE 1885696118 END);
+
+-- name: telemetry_count_workers
+-- `pepsi telemetry status`: per stage, the workers with telemetry on, and with it off.
+SELECT a.application_name,
+       count(*) FILTER (WHERE l.objid = 1885696117),
+       count(*) FILTER (WHERE l.objid = 1885696118)
+FROM pg_stat_activity a
+JOIN pg_locks l ON l.pid = a.pid AND l.locktype = 'advisory' AND l.granted
+     AND l.classid = 0 AND l.objid IN (1885696117, 1885696118) AND l.objsubid = 1
+WHERE a.datname = current_database() AND a.application_name LIKE 'pepsi-worker:%'
+GROUP BY 1 ORDER BY 1;
+
+-- name: telemetry_notify_changed
+-- P-11: sent after [pepsi] SHARE_TELEMETRY is rewritten; the dispatcher replaces its workers.
+NOTIFY telemetry_changed;

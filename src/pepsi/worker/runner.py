@@ -27,6 +27,7 @@ from pepsi.db.queries import query
 from pepsi.errors import EX_IOERR, EX_TEMPFAIL, DatabaseUnavailable, database_exit_code
 from pepsi.protocol import Pass, format_status
 from pepsi.stage import Message, Needs, needs_of
+from pepsi.telemetry import NO_SINK, TRACEPARENT, Sink
 from pepsi.worker.handlers import StageFunc
 from pepsi.worker.messages import Conn, MessageLoader
 from pepsi.worker.outcomes import Clock, Decision, after_raise, after_return
@@ -75,8 +76,10 @@ class StageRunner:
         reconnect: Callable[[], Conn] | None = None,
         now: Clock = utc_now,
         monotonic: Callable[[], float] = time.monotonic,
+        sink: Sink = NO_SINK,
     ) -> None:
         self.stage = stage
+        self.sink = sink  # P-11: a span per pass when on; off, one flag per batch
         self.stages = config.stages  # where an Advance may go
         self.func = func
         self.needs = needs_of(func)
@@ -145,12 +148,16 @@ class StageRunner:
             messages = self.messages.load(self.conn, ids)
         batch = Batch()
         spent: dict[int, int] = {}
+        traced = self.sink.enabled
         for wid in ids:
             msg = messages.get(wid)
             if msg is None:
                 continue  # no longer running here (moved by a repair command): nothing to do
             t0 = time.perf_counter_ns()
-            self._run_one(msg, batch)
+            if traced:
+                self._run_traced(msg, batch)
+            else:
+                self._run_one(msg, batch)
             spent[wid] = time.perf_counter_ns() - t0
         if batch.finished or batch.updates:
             self.conn.execute(
@@ -226,6 +233,12 @@ class StageRunner:
         if self.loop is not None and inspect.isawaitable(result):
             return self.loop.run_until_complete(result)
         return result
+
+    def _run_traced(self, msg: Message, batch: Batch) -> None:
+        parent = msg.properties.get(TRACEPARENT)
+        with self.sink.stage_pass(msg.id, self.stage.name, parent) as outcome:
+            self._run_one(msg, batch)
+            outcome(batch.decisions[msg.id].outcome)
 
     def _run_one(self, msg: Message, batch: Batch) -> None:
         # An empty state (the common case) needs no copy to restore from.

@@ -16,6 +16,7 @@ update), `runner` (a batch over one connection), `reader` (ids from stdin).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from functools import partial
@@ -26,8 +27,10 @@ from psycopg.types.json import set_json_loads
 from pepsi.config import Config, StageConfig, read_overlay, with_overlay
 from pepsi.db import schema
 from pepsi.db.connect import DEFAULT_TIMEOUT, connect
+from pepsi.db.queries import query
 from pepsi.errors import ConfigError, DatabaseBusy, DatabaseLost, DatabaseUnavailable, WorkerRefused
 from pepsi.protocol import READY
+from pepsi.telemetry import Sink, install
 from pepsi.worker.handlers import StageFunc, load_handler
 from pepsi.worker.messages import Conn
 from pepsi.worker.reader import IdReader
@@ -61,17 +64,33 @@ def run(config: Config, stage_name: str, dsn: str) -> int:
                 )
             func = _import(config, stage)
         assert func is not None
-        runner = StageRunner(config, stage, func, conn, reconnect=open_connection)
+        # Once, from the file (P-11): `pepsi telemetry on|off` replaces the worker instead.
+        sink = install(config, stage)
+        # For `pepsi telemetry status`: on means on and OpenTelemetry there. A reconnect too.
+        mark_telemetry(conn, sink.enabled)
+        open_connection = partial(open_connection, telemetry=sink.enabled)
+        runner = StageRunner(config, stage, func, conn, reconnect=open_connection, sink=sink)
         out = sys.stdout.buffer
         out.write(READY + b"\n")
         out.flush()
         reader = IdReader(sys.stdin.fileno())
-        while True:
-            ids = reader.read_batch(runner.batch_limit)
-            if not ids:
-                return 0
-            out.write(runner.run_batch(ids))
-            out.flush()
+        try:
+            while True:
+                ids = reader.read_batch(runner.batch_limit)
+                if not ids:
+                    return 0
+                out.write(runner.run_batch(ids))
+                out.flush()
+        finally:
+            _flush(sink)
+
+
+def _flush(sink: Sink) -> None:
+    """Export what is still buffered before the worker goes (stdin closed, an error)."""
+    try:
+        sink.shutdown()
+    except Exception as exc:  # noqa: BLE001  # telemetry never decides a worker's exit status
+        logging.getLogger("pepsi.telemetry").warning("telemetry not flushed: %s", exc)
 
 
 def _import(config: Config, stage: StageConfig) -> StageFunc:
@@ -89,9 +108,18 @@ def _loads_json(data: bytes | str) -> Any:
 
 
 def connect_worker(
-    dsn: str, stage_name: str, *, synchronous_commit: bool, timeout: float = DEFAULT_TIMEOUT
+    dsn: str,
+    stage_name: str,
+    *,
+    synchronous_commit: bool,
+    timeout: float = DEFAULT_TIMEOUT,
+    telemetry: bool | None = None,
 ) -> Conn:
-    """The worker's connection; a refused one is DatabaseBusy (75) or DatabaseLost (74)."""
+    """The worker's connection; a refused one is DatabaseBusy (75) or DatabaseLost (74).
+
+    With `telemetry` True or False, the connection is marked as a worker's
+    that reports telemetry, or does not (`mark_telemetry`).
+    """
     settings = None if synchronous_commit else {"synchronous_commit": "off"}
     try:
         conn = connect(
@@ -102,7 +130,18 @@ def connect_worker(
     except DatabaseUnavailable as exc:  # to the dispatcher, no database is a lost one (74)
         raise DatabaseLost(str(exc), sqlstate=exc.sqlstate) from None
     set_json_loads(_loads_json, conn)
+    if telemetry is not None:
+        mark_telemetry(conn, telemetry)
     return conn
+
+
+def mark_telemetry(conn: Conn, on: bool) -> None:
+    """Hold the session's shared advisory lock that says whether this worker reports.
+
+    `pepsi telemetry status` counts them in pg_locks: what live workers run
+    with, without renaming the connection (`pepsi top` reads its name).
+    """
+    conn.execute(query("telemetry_worker_mark"), {"on": on})
 
 
 def _file(config: Config) -> str | None:
