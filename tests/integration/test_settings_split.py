@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,10 @@ from pepsi.stage import Message, stage
 from pepsi.worker.handlers import StageFunc
 from pepsi.worker.runner import StageRunner
 from pepsi.worker.runtime import connect_worker
+from tests.rows import NOW
+from tests.rows import running as running_row
 
 Conn = psycopg.Connection[tuple[Any, ...]]
-NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 CONF = """
 [stage-a]
@@ -45,32 +46,9 @@ def config(tmp_path: Path) -> Config:
     return load_config(path)
 
 
-def running(
-    conn: Conn,
-    recipients: list[str],
-    *,
-    sender: str = "s@y.org",
-    state: dict[str, Any] | None = None,
-    body: bytes | None = None,
-    arrived: datetime = NOW,
-) -> int:
-    """A row as a claim leaves it: running at stage a."""
-    body_id = None
-    if body is not None:
-        found = conn.execute(
-            "INSERT INTO pepsi.workqueue_body (header, body) VALUES ('Subject: x', %s)"
-            " RETURNING body_id",
-            (body,),
-        ).fetchone()
-        assert found is not None
-        body_id = found[0]
-    found = conn.execute(
-        "INSERT INTO pepsi.workqueue (stage, status, arrived, sender, recipients, state, body_id)"
-        " VALUES ('a', 'running', %s, %s, %s, %s, %s) RETURNING workqueue_id",
-        (arrived, sender, recipients, Jsonb(state or {}), body_id),
-    ).fetchone()
-    assert found is not None
-    return int(found[0])
+def running(conn: Conn, recipients: list[str], *, sender: str = "s@y.org", **kw: Any) -> int:
+    """A row as a claim leaves it: running at stage a, for these recipients."""
+    return running_row(conn, "a", sender=sender, recipients=recipients, header="Subject: x", **kw)
 
 
 def override(conn: Conn, address: str, options: dict[str, str], at: str = "a") -> None:

@@ -18,7 +18,6 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import conninfo, sql
-from psycopg.types.json import Jsonb
 
 from pepsi.config import Config, load_config
 from pepsi.protocol import Pass, StatusLine, parse_status
@@ -26,9 +25,9 @@ from pepsi.stage import Message, PermanentError, stage
 from pepsi.worker.handlers import StageFunc
 from pepsi.worker.runner import StageRunner
 from pepsi.worker.runtime import connect_worker
+from tests.rows import NOW, running
 
 Conn = psycopg.Connection[tuple[Any, ...]]
-NOW = datetime(2026, 1, 1, tzinfo=UTC)
 UNTIL = datetime(2030, 1, 1, tzinfo=UTC)
 
 CONF = """
@@ -85,34 +84,6 @@ def make_runner(dsn: str, config: Config) -> Iterator[Callable[..., StageRunner]
         runner.conn.close()
         if runner.loop is not None:
             runner.loop.close()
-
-
-def running(
-    conn: Conn,
-    stage_name: str = "a",
-    *,
-    properties: dict[str, Any] | None = None,
-    state: dict[str, Any] | None = None,
-    body: bytes | None = None,
-    arrived: datetime = NOW,
-) -> int:
-    """A row as a claim leaves it: running at `stage_name`."""
-    body_id = None
-    if body is not None:
-        row = conn.execute(
-            "INSERT INTO pepsi.workqueue_body (header, body) VALUES ('Subject: hi', %s)"
-            " RETURNING body_id",
-            (body,),
-        ).fetchone()
-        assert row is not None
-        body_id = row[0]
-    row = conn.execute(
-        "INSERT INTO pepsi.workqueue (stage, status, arrived, properties, state, body_id)"
-        " VALUES (%s, 'running', %s, %s, %s, %s) RETURNING workqueue_id",
-        (stage_name, arrived, Jsonb(properties or {}), Jsonb(state or {}), body_id),
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 def row_of(conn: Conn, wid: int) -> tuple[str, str, dict[str, Any], datetime | None] | None:
