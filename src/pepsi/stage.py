@@ -45,6 +45,7 @@ class PermanentError(PepsiError):
 @dataclass(frozen=True)
 class Advance:
     to: str | None = None  # None: the stage's NEXT (finish if it has none)
+    fuse: bool = True  # False: this message is written and dispatched, never fused (W-10)
 
 
 @dataclass(frozen=True)

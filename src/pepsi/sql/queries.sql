@@ -70,6 +70,10 @@ WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.sta
 -- few seconds, and loads with the plain query while the answer is no.
 SELECT EXISTS (SELECT 1 FROM pepsi.settings WHERE stage = %(stage)s);
 
+-- name: settings_stages_overridden
+-- W-10: the stages with per-address overrides: a worker does not fuse into them.
+SELECT coalesce(array_agg(DISTINCT stage), '{}') FROM pepsi.settings;
+
 -- name: workqueue_split_many
 -- W-9: split the rows of a batch whose recipients diverge, in one round trip
 -- (see pepsi.workqueue_split); per row, the new ids (NULL: not split).

@@ -44,6 +44,7 @@ class Decision(NamedTuple):
     state: dict[str, Any] | None = None
     timeout: datetime | None = None
     error: str | None = None  # a failure as logged (state.last_error has it truncated)
+    fuse: bool = True  # an advance the stage let be fused (W-10)
 
     @property
     def exit_status(self) -> int:
@@ -82,7 +83,7 @@ def after_return(  # noqa: PLR0911  # one return per outcome reads best
     if result is None:
         result = ADVANCE
     match result:
-        case Advance(to=to):
+        case Advance(to=to, fuse=fuse):
             target = to or msg.options.next
             if target is None:
                 return FINISH
@@ -90,7 +91,7 @@ def after_return(  # noqa: PLR0911  # one return per outcome reads best
                 return _host_failure(msg, state, f"advance to unknown stage {target!r}", now)
             if target != msg.stage and ("strikes" in state or "temporary_failures" in state):
                 state = {k: v for k, v in state.items() if k not in PER_STAGE}
-            return Decision("advance", target, "pending", state)
+            return Decision("advance", target, "pending", state, fuse=fuse)
         case Finish():
             return FINISH
         case Pause(until=until, reason=reason) if until is None or isinstance(until, datetime):

@@ -24,11 +24,18 @@ from psycopg.types.json import Jsonb
 from pepsi.config import Config, StageConfig
 from pepsi.db.connect import one_line
 from pepsi.db.queries import query
-from pepsi.errors import EX_IOERR, EX_TEMPFAIL, DatabaseUnavailable, database_exit_code
+from pepsi.errors import (
+    EX_IOERR,
+    EX_TEMPFAIL,
+    DatabaseUnavailable,
+    WorkerRefused,
+    database_exit_code,
+)
 from pepsi.protocol import Pass, format_status
 from pepsi.stage import Message, Needs, needs_of
 from pepsi.telemetry import NO_SINK, TRACEPARENT, Sink
-from pepsi.worker.handlers import StageFunc
+from pepsi.worker.fusion import fusable, may_fuse
+from pepsi.worker.handlers import StageFunc, load_handler
 from pepsi.worker.messages import Conn, MessageLoader
 from pepsi.worker.outcomes import Clock, Decision, after_raise, after_return
 from pepsi.worker.settings import OverrideCheck, Plan, plan
@@ -54,6 +61,8 @@ class Batch:
     finished: list[int] = field(default_factory=list)
     updates: list[dict[str, Any]] = field(default_factory=list)
     decisions: dict[int, Decision] = field(default_factory=dict)
+    # W-10: (stage, ns, outcome) of each stage a fused pass ran, by id; absent: one stage
+    passes: dict[int, list[tuple[str, int, str]]] = field(default_factory=dict)
 
     def add(self, wid: int, decision: Decision) -> None:
         if decision.stage is None:
@@ -88,6 +97,14 @@ class StageRunner:
         self.reconnect = reconnect
         self.now = now
         self.overrides = OverrideCheck(monotonic)
+        # W-10: the stages an advance may run in this pass, by configuration
+        self.fuse_into = (
+            {name: s for name, s in config.stages.items() if fusable(s)}
+            if config.pepsi.allow_fusion
+            else {}
+        )
+        self.overridden: frozenset[str] = frozenset()  # stages with per-address overrides
+        self.handlers: dict[str, tuple[StageFunc, Needs] | None] = {}
         # Once at start, so that a worker's first batch costs what the others do;
         # if the database is gone, the first batch asks again (and answers 74/75).
         with contextlib.suppress(psycopg.Error):
@@ -176,8 +193,15 @@ class StageRunner:
             if decision is None:
                 lines.append(format_status(0))
                 continue
-            micros = (spent[wid] + overhead) // 1000
-            report = [Pass(self.stage.name, micros, decision.outcome)]
+            passes = batch.passes.get(wid)
+            if passes is None:
+                micros = (spent[wid] + overhead) // 1000
+                report = [Pass(self.stage.name, micros, decision.outcome)]
+            else:  # a fused pass: one entry per stage, the database's share on the first
+                report = [
+                    Pass(name, (ns + (overhead if i == 0 else 0)) // 1000, outcome)
+                    for i, (name, ns, outcome) in enumerate(passes)
+                ]
             lines.append(format_status(decision.exit_status, report))
         return b"".join(lines)
 
@@ -186,6 +210,9 @@ class StageRunner:
             query("settings_exist_for_stage"), {"stage": self.stage.name}
         ).fetchone()
         self.overrides.record(bool(row and row[0]))
+        if self.fuse_into:  # a successor with overrides is dispatched, not fused
+            found = self.conn.execute(query("settings_stages_overridden")).fetchone()
+            self.overridden = frozenset(found[0] if found else ())
 
     def _load_with_settings(self, ids: list[int]) -> dict[int, Message]:
         """Load with the overrides, lay them over the stage, split diverging rows (W-9).
@@ -228,9 +255,11 @@ class StageRunner:
             msg.options = plans[wid].options[0]
         return loaded.messages
 
-    def _call(self, msg: Message) -> Any:
-        result = self.func(msg)
-        if self.loop is not None and inspect.isawaitable(result):
+    def _call(self, msg: Message, func: StageFunc | None = None) -> Any:
+        result = (func or self.func)(msg)
+        if inspect.isawaitable(result):
+            if self.loop is None:  # a fused async successor of a sync stage
+                self.loop = asyncio.new_event_loop()
             return self.loop.run_until_complete(result)
         return result
 
@@ -243,20 +272,90 @@ class StageRunner:
     def _run_one(self, msg: Message, batch: Batch) -> None:
         # An empty state (the common case) needs no copy to restore from.
         loaded_state = json.dumps(msg.state) if msg.state else "{}"
+        if not self.fuse_into:
+            decision = self._decide(msg, loaded_state)
+        else:
+            before = _metadata(msg)
+            started = time.perf_counter_ns()
+            decision = self._decide(msg, loaded_state)
+            if decision.outcome == "advance" and decision.stage in self.fuse_into:
+                decision = self._fuse(msg, decision, before, started, batch)
+        if decision.error is not None:
+            self._log_failure(msg, decision)
+        batch.add(msg.id, decision)
+
+    def _decide(self, msg: Message, loaded_state: str, func: StageFunc | None = None) -> Decision:
         try:
-            decision = after_return(self._call(msg), msg, loaded_state, self.stages, self.now)
+            result = self._call(msg, func)
+            return after_return(result, msg, loaded_state, self.stages, self.now)
         except Exception as exc:  # any error is the stage's: PermanentError or a host failure
             if self.conn.broken and database_exit_code(exc) is not None:
                 raise  # our own connection went (a lazy body load): the batch answers 74/75
-            decision = after_raise(exc, msg, loaded_state, self.now)
-        if decision.error is not None:
-            self._log_failure(msg.id, decision)
-        batch.add(msg.id, decision)
+            return after_raise(exc, msg, loaded_state, self.now)
 
-    def _log_failure(self, wid: int, decision: Decision) -> None:
+    def _fuse(
+        self,
+        msg: Message,
+        decision: Decision,
+        before: tuple[Any, ...],
+        started: int,
+        batch: Batch,
+    ) -> Decision:
+        """Run the successors this advance may fuse (W-10); the last stage's decision.
+
+        The row is written once, by the batch, with the decision of the stage
+        the chain stopped at: an advance to a stage that may not be fused, a
+        finish, or that stage's own failure (its MAX_LIFETIME, its
+        BOUNCE_STAGE), with the state every fused stage left.
+        """
+        passes = [(self.stage.name, time.perf_counter_ns() - started, decision.outcome)]
+        while decision.outcome == "advance" and decision.stage is not None:
+            successor = self.fuse_into.get(decision.stage)
+            handler = self._handler(successor) if successor is not None else None
+            if successor is None or handler is None:
+                break
+            if not may_fuse(
+                successor,
+                loaded=self.needs,
+                needs=handler[1],
+                depth=len(passes),
+                refused=not decision.fuse,
+                changed=_metadata(msg) != before,
+                overridden=successor.name in self.overridden,
+            ):
+                break
+            msg.stage, msg.options = successor.name, successor
+            msg.state = decision.state if decision.state is not None else {}
+            loaded_state = json.dumps(msg.state) if msg.state else "{}"
+            started = time.perf_counter_ns()
+            decision = self._decide(msg, loaded_state, handler[0])
+            passes.append((successor.name, time.perf_counter_ns() - started, decision.outcome))
+        if len(passes) > 1:
+            batch.passes[msg.id] = passes
+        return decision
+
+    def _handler(self, stage: StageConfig) -> tuple[StageFunc, Needs] | None:
+        """A successor's function, imported once; None if it cannot be (then it is dispatched)."""
+        if stage.name not in self.handlers:
+            try:
+                func = load_handler(stage)
+            except WorkerRefused as exc:
+                log.warning("stage %s is not fused: %s", stage.name, exc)
+                self.handlers[stage.name] = None
+            else:
+                self.handlers[stage.name] = (func, needs_of(func))
+        return self.handlers[stage.name]
+
+    def _log_failure(self, msg: Message, decision: Decision) -> None:
+        wid = msg.id
+        stage_log = (
+            self.stage_log
+            if msg.stage == self.stage.name
+            else logging.getLogger(f"pepsi.stage.{msg.stage}")
+        )
         state = decision.state or {}
         if decision.outcome == "retry":
-            self.stage_log.warning(
+            stage_log.warning(
                 "message %d: %s; retry %d at %s",
                 wid,
                 decision.error,
@@ -264,6 +363,14 @@ class StageRunner:
                 decision.timeout,
             )
         elif state.get("failure_class") == "permanent":
-            self.stage_log.error("message %d failed permanently: %s", wid, decision.error)
+            stage_log.error("message %d failed permanently: %s", wid, decision.error)
         else:
-            self.stage_log.error("message %d: %s; giving up after retries", wid, decision.error)
+            stage_log.error("message %d: %s; giving up after retries", wid, decision.error)
+
+
+def _metadata(msg: Message) -> tuple[Any, ...]:
+    """What a fused successor would see differently if a stage changed it in memory."""
+    return (
+        msg.sender, msg.recipients, msg.header_from, msg.subject, msg.content_type,
+        msg.correlation_id, msg.message_id, dict(msg.properties),
+    )  # fmt: skip
