@@ -22,6 +22,7 @@ from pepsi.publishing import Publisher
 from pepsi.stage import Message, stage
 from pepsi.worker.runner import StageRunner
 from pepsi.worker.runtime import connect_worker
+from tests.stages import noop
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -190,3 +191,30 @@ def test_no_database_the_file_is_set_and_the_user_told(
     assert "Traceback" not in err
     assert "SHARE_TELEMETRY = yes" in path.read_text()
     assert "the dispatcher was NOT told" in err
+
+
+def test_a_fused_stage_has_a_span_of_its_own(tmp_path: Path, dsn: str, conn: Conn) -> None:
+    path = tmp_path / "pepsi.conf"
+    path.write_text(
+        "[pepsi]\nSHARE_TELEMETRY = yes\n"
+        "[stage-a]\nHANDLER = tests.stages:noop\nNEXT = b\n"
+        "[stage-b]\nHANDLER = tests.stages:noop\nFUSION = yes\n"
+    )
+    config = load_config(path)
+    exporter = InMemorySpanExporter()
+    sink = telemetry.install(config, config.stages["a"], span_exporter=exporter)
+    ids = publish(config, dsn, 1)
+    exporter.clear()
+    claim(conn, ids)
+    conn_w = connect_worker(dsn, "a", synchronous_commit=False)
+    with conn_w:
+        runner = StageRunner(config, config.stages["a"], noop, conn_w, sink=sink)
+        (line,) = runner.run_batch(ids).splitlines()
+    assert [p.stage for p in parse_status(line).report or ()] == ["a", "b"]  # fused
+    spans = {s.attributes["pepsi.stage"]: s for s in exporter.get_finished_spans() if s.attributes}
+    assert sorted(spans) == ["a", "b"]
+    assert spans["b"].attributes is not None
+    assert spans["b"].attributes["pepsi.outcome"] == "finish"
+    assert spans["b"].context is not None
+    assert spans["a"].context is not None
+    assert spans["b"].context.trace_id == spans["a"].context.trace_id

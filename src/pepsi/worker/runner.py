@@ -328,7 +328,13 @@ class StageRunner:
             msg.state = decision.state if decision.state is not None else {}
             loaded_state = json.dumps(msg.state) if msg.state else "{}"
             started = time.perf_counter_ns()
-            decision = self._decide(msg, loaded_state, handler[0])
+            if self.sink.enabled:  # P-11: a span per stage, fused or not
+                parent = msg.properties.get(TRACEPARENT)
+                with self.sink.stage_pass(msg.id, successor.name, parent) as outcome:
+                    decision = self._decide(msg, loaded_state, handler[0])
+                    outcome(decision.outcome)
+            else:
+                decision = self._decide(msg, loaded_state, handler[0])
             passes.append((successor.name, time.perf_counter_ns() - started, decision.outcome))
         if len(passes) > 1:
             batch.passes[msg.id] = passes
