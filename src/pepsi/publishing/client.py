@@ -45,6 +45,7 @@ from pepsi.errors import (
     one_line,
 )
 from pepsi.publishing import batch
+from pepsi.publishing.confirm import SyncRepWatch
 from pepsi.publishing.errors import NotConfirmed, NotOpen, PublishFailed, Rejected
 from pepsi.publishing.message import OutgoingMessage
 from pepsi.publishing.pipeline import Pipeline, SyncPipeline
@@ -224,7 +225,14 @@ class Publisher(_Core):
     def _execute(self, conn: AnyConn, call: batch.BatchCall) -> list[tuple[Any, ...]]:
         try:
             if conn.autocommit and conn.info.transaction_status.name == "IDLE":
-                return conn.execute(call.sql, call.params).fetchall()  # one round trip
+                cancelled = SyncRepWatch()
+                conn.add_notice_handler(cancelled)
+                try:
+                    answer = conn.execute(call.sql, call.params).fetchall()  # one round trip
+                finally:
+                    conn.remove_notice_handler(cancelled)
+                cancelled.check()
+                return answer
             with conn.transaction():  # a savepoint in the caller's transaction
                 return conn.execute(call.sql, call.params).fetchall()
         except psycopg.Error as exc:
@@ -351,7 +359,13 @@ class AsyncPublisher(_Core):
         call = batch.build(items, self.current)
         try:
             if conn.autocommit and conn.info.transaction_status.name == "IDLE":
-                answer = await (await conn.execute(call.sql, call.params)).fetchall()
+                cancelled = SyncRepWatch()
+                conn.add_notice_handler(cancelled)
+                try:
+                    answer = await (await conn.execute(call.sql, call.params)).fetchall()
+                finally:
+                    conn.remove_notice_handler(cancelled)
+                cancelled.check()
             else:
                 async with conn.transaction():
                     answer = await (await conn.execute(call.sql, call.params)).fetchall()
