@@ -11,7 +11,13 @@ from pepsi.errors import (
     DatabaseLost,
     DatabaseReadOnly,
     DatabaseUnavailable,
+    InvalidMessage,
+    NoRoute,
+    NotConfirmed,
+    NotOpen,
     PepsiError,
+    PublishFailed,
+    Rejected,
     SchemaMismatch,
 )
 from pepsi.stage import (
@@ -28,36 +34,19 @@ from pepsi.stage import (
 if TYPE_CHECKING:  # mypy sees the real types; at run time they load on first use
     from pepsi.publishing import (
         AsyncPublisher,
-        InvalidMessage,
-        NoRoute,
-        NotConfirmed,
-        NotOpen,
         OutgoingMessage,
         Pipeline,
         Publisher,
-        PublishFailed,
-        Rejected,
         SyncPipeline,
     )
 
 __version__ = "0.1.0"
 
-# The publishing names load psycopg_pool: imported on first use, so that a
-# worker process (which imports this package) starts faster.
+# The publishing clients load psycopg_pool: imported on first use, so that a
+# worker process (which imports this package) starts faster. (Their errors
+# live in pepsi.errors, imported above.)
 _PUBLISHING = frozenset(
-    {
-        "AsyncPublisher",
-        "InvalidMessage",
-        "NoRoute",
-        "NotConfirmed",
-        "NotOpen",
-        "OutgoingMessage",
-        "Pipeline",
-        "PublishFailed",
-        "Publisher",
-        "Rejected",
-        "SyncPipeline",
-    }
+    {"AsyncPublisher", "OutgoingMessage", "Pipeline", "Publisher", "SyncPipeline"}
 )
 
 
