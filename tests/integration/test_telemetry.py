@@ -215,6 +215,8 @@ def test_a_fused_stage_has_a_span_of_its_own(tmp_path: Path, dsn: str, conn: Con
     assert sorted(spans) == ["a", "b"]
     assert spans["b"].attributes is not None
     assert spans["b"].attributes["pepsi.outcome"] == "finish"
+    assert spans["a"].attributes is not None
+    assert spans["a"].attributes["pepsi.outcome"] == "advance"  # its own, not the chain's
     assert spans["b"].context is not None
     assert spans["a"].context is not None
     assert spans["b"].context.trace_id == spans["a"].context.trace_id

@@ -26,7 +26,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "clean stop, 1 on an error, 78 if the database schema is not this build's. "
         "With [pepsi-dispatch] METRICS_ADDRESS set it also serves Prometheus metrics "
         "at http://ADDRESS/metrics (docs/operations.md). Every VACUUM_AFTER (20000) "
-        "stage passes it vacuums the queue tables in the background (docs/dispatcher.md).",
+        "stage passes it vacuums the queue tables in the background (docs/dispatcher.md). "
+        "SIGHUP, or `pepsi config reload`, rebuilds the stage table from the file and the "
+        "database overlay while it runs; a configuration that does not parse then stops it "
+        "with exit 78.",
     )
     serve.set_defaults(handler=run_serve)
 

@@ -267,7 +267,8 @@ class StageRunner:
         parent = msg.properties.get(TRACEPARENT)
         with self.sink.stage_pass(msg.id, self.stage.name, parent) as outcome:
             self._run_one(msg, batch)
-            outcome(batch.decisions[msg.id].outcome)
+            passes = batch.passes.get(msg.id)  # fused: this span is the first stage's
+            outcome(passes[0][2] if passes else batch.decisions[msg.id].outcome)
 
     def _run_one(self, msg: Message, batch: Batch) -> None:
         # An empty state (the common case) needs no copy to restore from.
