@@ -66,7 +66,8 @@ def asyncpg_params(dsn: str) -> dict[str, Any]:
 
     params = {k: v for k, v in conninfo_to_dict(dsn).items() if v is not None}
     names = {"dbname": "database"}
-    known = {"host", "port", "user", "password", "database"}
+    # passfile: where the embedded server's SCRAM secret is (asyncpg reads it too)
+    known = {"host", "port", "user", "password", "passfile", "database"}
     out = {names.get(k, k): v for k, v in params.items()}
     return {k: v for k, v in out.items() if k in known}
 
