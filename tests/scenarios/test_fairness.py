@@ -32,7 +32,7 @@ def test_time_not_count_is_shared(pipeline: Pipeline) -> None:
         FAIR_FIFO_PERCENT="0",
     )
     costly = pipeline.publish(
-        "work", count=200, sender="a@a.example", properties={"fault": "slow", "sleep": 0.02}
+        "work", count=200, sender="a@a.example", properties={"fault": "slow", "sleep": 0.05}
     )
     cheap = pipeline.publish(
         "work", count=200, sender="b@b.example", properties={"fault": "slow", "sleep": 0.002}
@@ -45,7 +45,9 @@ def test_time_not_count_is_shared(pipeline: Pipeline) -> None:
     assert dispatcher.stop() == 0
     done = order_of_effects(pipeline)
     costly_done = len(set(done) & set(costly))
-    # B's 200 messages cost as much worker time as 20 of A's: A got about that
-    # share of the stage meanwhile, not an equal count of slots.
+    # Sharing slots by count would run about 200 of A's meanwhile. Sharing by
+    # time runs 200 * (0.002 + o) / (0.05 + o) of them, o being the per-message
+    # overhead: 8 on a quiet machine, still under 70 with o = 20 ms on a loaded
+    # CI runner. The bound sits between the two policies, not on the noise.
     print(f"costly sender ran {costly_done} while the cheap one ran 200")
-    assert costly_done <= 60, f"A ran {costly_done} while B ran 200"
+    assert costly_done <= 100, f"A ran {costly_done} while B ran 200"
