@@ -9,16 +9,19 @@ from pepsi.config import load_config
 from pepsi.db import connect, schema
 
 
-def scratch_database(name: str) -> str:
-    """Drop and recreate database `name` with the schema; return its DSN."""
-    target = connect.resolve(load_config(None))
-    admin = conninfo.make_conninfo(target.dsn, dbname="postgres")
+def scratch_database(name: str, server: str | None = None) -> str:
+    """Drop and recreate database `name` with the schema; return its DSN.
+
+    On `server` (a DSN), else on the embedded (or $PEPSI_DSN) server.
+    """
+    server = server or connect.resolve(load_config(None)).dsn
+    admin = conninfo.make_conninfo(server, dbname="postgres")
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(
             sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
         )
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    dsn = conninfo.make_conninfo(target.dsn, dbname=name)
+    dsn = conninfo.make_conninfo(server, dbname=name)
     with psycopg.connect(dsn, autocommit=True) as conn:
         schema.install(conn)
     return dsn

@@ -53,6 +53,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("setup", "setup_cmd", "install or upgrade the database schema"),
     Command("config", "config_cmd", "check the configuration; reload, set, unset (live)"),
     Command("db", "db_cmd", "manage the embedded database, show the one in use"),
+    Command("cluster", "cluster_cmd", "a three-node replicated PostgreSQL on this machine (dev)"),
     Command("dispatch", "dispatch_cmd", "run the dispatcher"),
     Command(
         "ingress",

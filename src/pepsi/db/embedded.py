@@ -75,7 +75,7 @@ class ServerStatus:
     socket_dir: Path | None = None
 
 
-class _Owner:
+class ServerOwner:
     """The OS user the server runs as: the caller, or a system user for root."""
 
     __slots__ = ("gid", "name", "uid")  # a plain class: a worker imports this module
@@ -137,7 +137,7 @@ class EmbeddedServer:
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         self.data_dir.mkdir(mode=0o700, exist_ok=True)
         with _locked(self.data_dir):
-            owner = _server_owner()
+            owner = server_owner()
             if not (self.data_dir / "PG_VERSION").exists():
                 self._initdb(owner)
             password, _ = secret.ensure_secret(self.passfile, SUPERUSER)
@@ -156,21 +156,21 @@ class EmbeddedServer:
             self._ensure_database(admin)
             return self._dsn(info, DATABASE)
 
-    def _initdb(self, owner: _Owner) -> None:
+    def _initdb(self, owner: ServerOwner) -> None:
         if owner.name is not None:
-            _prepare_as_root(self.data_dir)
+            prepare_as_root(self.data_dir)
             os.chown(self.data_dir, owner.uid, owner.gid)
         # trust only until _secure, the same start: nobody else can reach the socket
         args = ["--auth=trust", "--encoding=utf8", "-U", SUPERUSER]
         _run("initdb", ["-D", str(self.data_dir), *args], owner)
 
-    def _pg_start(self, owner: _Owner) -> None:
+    def _pg_start(self, owner: ServerOwner) -> None:
         import shlex  # noqa: PLC0415
 
         from pepsi.db import socketdir  # noqa: PLC0415
 
         if owner.name is not None:
-            _prepare_as_root(self.data_dir)
+            prepare_as_root(self.data_dir)
         socket_dir = socketdir.choose(self.data_dir, owner.uid, owner.gid)
         options = (
             f"-h '' -k {shlex.quote(str(socket_dir))} -c unix_socket_permissions=0700"
@@ -184,7 +184,7 @@ class EmbeddedServer:
             fatal = _last_fatal(self.log_file)
             raise RuntimeError(f"{exc}; {fatal}" if fatal else str(exc)) from None
 
-    def _secure(self, admin_dsn: str, password: str, owner: _Owner) -> None:
+    def _secure(self, admin_dsn: str, password: str, owner: ServerOwner) -> None:
         """Set the superuser's password, then allow SCRAM logins only."""
         import psycopg  # noqa: PLC0415
         from psycopg import sql  # noqa: PLC0415
@@ -252,7 +252,7 @@ class EmbeddedServer:
         if info is None or not info.is_running():
             return False
         try:
-            _run("pg_ctl", ["-D", str(self.data_dir), "-w", "-m", "fast", "stop"], _server_owner())
+            _run("pg_ctl", ["-D", str(self.data_dir), "-w", "-m", "fast", "stop"], server_owner())
         except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
             raise DatabaseUnavailable(
                 f"cannot stop the embedded PostgreSQL in {self.data_dir}: {_one_line(exc)}"
@@ -275,14 +275,14 @@ def _locked(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _server_owner() -> _Owner:
+def server_owner() -> ServerOwner:
     if os.geteuid() != 0:
-        return _Owner(None, os.geteuid(), os.getegid())
+        return ServerOwner(None, os.geteuid(), os.getegid())
     entry = _module().utils.ensure_user_exists(SERVER_USER_AS_ROOT)
-    return _Owner(SERVER_USER_AS_ROOT, entry.pw_uid, entry.pw_gid)
+    return ServerOwner(SERVER_USER_AS_ROOT, entry.pw_uid, entry.pw_gid)
 
 
-def _prepare_as_root(data_dir: Path) -> None:
+def prepare_as_root(data_dir: Path) -> None:
     """Let the server's system user reach the data directory and run the programs."""
     module = _module()
     bin_path: Path = module._commands.POSTGRES_BIN_PATH
@@ -293,7 +293,7 @@ def _prepare_as_root(data_dir: Path) -> None:
     module.utils.ensure_folder_permissions(bin_path.parent / "lib", read)
 
 
-def _run(program: str, args: Sequence[str], owner: _Owner, timeout: float = 120) -> None:
+def _run(program: str, args: Sequence[str], owner: ServerOwner, timeout: float = 120) -> None:
     """Run one of the wheel's programs as the server's user; RuntimeError on failure."""
     import tempfile  # noqa: PLC0415
 
@@ -341,7 +341,7 @@ def _trusts(hba: Path) -> bool:
     return False
 
 
-def _replace_file(path: Path, text: str, owner: _Owner) -> None:
+def _replace_file(path: Path, text: str, owner: ServerOwner) -> None:
     temporary = path.with_name(f".{path.name}.pepsi")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as out:
