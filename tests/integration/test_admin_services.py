@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from pepsi.admin import activity
 from pepsi.admin.bouncer import Bouncer, BouncerSettings
@@ -16,6 +19,8 @@ from pepsi.admin.database import NotEmbedded, database_status, embedded_server
 from pepsi.config import Config, load_config
 from pepsi.db.schema import SchemaState
 from pepsi.errors import DatabaseUnavailable, SchemaMismatch
+from tests.conftest import TEMPLATE, with_dbname
+from tests.scenarios.conftest import wait_until
 
 Conn = psycopg.Connection[Any]
 NOWHERE = "postgresql://127.0.0.1:1/nowhere?connect_timeout=1"
@@ -85,10 +90,59 @@ def test_bouncer_rides_out_an_outage(empty_dsn: str, caplog: pytest.LogCaptureFi
     stop = threading.Event()
     stop.set()
     with caplog.at_level(logging.WARNING, logger="pepsi.failure-bouncer"):
-        down.run(stop)  # logs, does not raise
+        down.run(stop, rng=lambda: 0.0)  # logs, does not raise
     (record,) = caplog.records
     assert record.getMessage().startswith("database unavailable (cannot connect")
-    assert record.getMessage().endswith("; retrying in 30s")
+    # not INTERVAL (30s): the reconnect backoff's first delay, 0.1 s less its jitter
+    assert record.getMessage().endswith("; retrying in 50ms")
+
+
+def test_bouncer_retries_on_the_backoff_until_the_database_is_back(
+    admin_dsn: str, template_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A database that is away (not created yet) is retried within RECONNECT_MAX_DELAY."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    bouncer = Bouncer(
+        BouncerSettings(("a",), None, 30.0, reconnect_max=0.5),
+        with_dbname(admin_dsn, name),
+        connect_timeout=5,
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=bouncer.run, args=(stop,))
+
+    def messages() -> list[str]:
+        return [r.getMessage() for r in caplog.records]
+
+    with caplog.at_level(logging.INFO, logger="pepsi.failure-bouncer"):
+        thread.start()
+        try:
+            # with a 30 s INTERVAL, three failed passes in 5 s can only be the backoff
+            wait_until(
+                lambda: sum(m.startswith("database unavailable") for m in messages()) >= 3,
+                timeout=5,
+                what="three quick retries",
+            )
+            with psycopg.connect(admin_dsn, autocommit=True) as admin:
+                admin.execute(
+                    sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                        sql.Identifier(name), sql.Identifier(TEMPLATE)
+                    )
+                )
+            back = time.monotonic()
+            wait_until(
+                lambda: "database connection restored" in messages(), timeout=5, what="a pass"
+            )
+            assert time.monotonic() - back < 2.0  # the cap (0.5 s) and a pass, not INTERVAL
+            waits = [m.rsplit("retrying in ", 1)[1] for m in messages() if "retrying in" in m]
+            assert all(w.endswith("ms") and int(w[:-2]) <= 500 for w in waits), waits
+        finally:
+            stop.set()
+            thread.join(timeout=10)
+            with psycopg.connect(admin_dsn, autocommit=True) as admin:
+                admin.execute(
+                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+                )
+    assert not thread.is_alive()
 
 
 def test_top_reads_frames(conn: Conn, dsn: str) -> None:

@@ -23,7 +23,7 @@ from pepsi.config import Config, load_config
 from pepsi.protocol import Pass, StatusLine, parse_status
 from pepsi.stage import Message, PermanentError, stage
 from pepsi.worker.handlers import StageFunc
-from pepsi.worker.runner import StageRunner
+from pepsi.worker.runner import StageRunner, ended_by_server
 from pepsi.worker.runtime import connect_worker
 from tests.rows import NOW, running
 
@@ -307,15 +307,26 @@ def terminate(conn: Conn, runner: StageRunner) -> None:
     assert row == (True,)
 
 
-def test_a_lost_connection_answers_74_then_reconnects(
+def wait_readable(worker: Conn, timeout: float = 10.0) -> None:
+    """Until the server's goodbye has reached the worker's idle socket."""
+    deadline = time.monotonic() + timeout
+    while not ended_by_server(worker):
+        assert time.monotonic() < deadline, "the terminated session's socket never spoke"
+        time.sleep(0.01)
+
+
+def test_a_connection_ended_while_idle_is_replaced_before_the_batch(
     conn: Conn, make_runner: Callable[..., StageRunner]
 ) -> None:
+    # A restart or failover between batches: the worker sees the server's goodbye on
+    # the idle socket and reconnects first, so it answers no 74 (no DB_ERROR_PAUSE).
     ids = [running(conn), running(conn)]
     runner = make_runner(by_property)
+    before = runner.conn.info.backend_pid
     terminate(conn, runner)
-    assert runner.run_batch(ids) == b"74\n74\n"
-    assert [row_of(conn, wid) for wid in ids] == [("a", "running", {}, None)] * 2
-    assert outcomes(runner.run_batch(ids)) == [(0, "advance"), (0, "advance")]  # reconnected
+    wait_readable(runner.conn)
+    assert outcomes(runner.run_batch(ids)) == [(0, "advance"), (0, "advance")]
+    assert runner.conn.info.backend_pid != before
     assert [row_of(conn, wid) for wid in ids] == [("b", "pending", {"ran": 1}, None)] * 2
 
 
@@ -335,6 +346,20 @@ def test_a_connection_lost_inside_the_stage_answers_74_for_the_batch(
     holder.append(make_runner(loses_it))
     assert holder[0].run_batch(ids) == b"74\n74\n74\n"  # nothing of the batch was written
     assert [row_of(conn, wid) for wid in ids] == [("a", "running", {}, None)] * 3
+
+
+def test_a_read_only_session_answers_74_and_is_not_reused(
+    conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    # A node demoted to a standby keeps its sessions open and refuses their writes
+    # (25006): the batch answers 74 and the next one runs on a new connection.
+    ids = [running(conn), running(conn)]
+    runner = make_runner(by_property)
+    runner.conn.execute("SET default_transaction_read_only = on")
+    assert runner.run_batch(ids) == b"74\n74\n"
+    assert [row_of(conn, wid) for wid in ids] == [("a", "running", {}, None)] * 2
+    assert runner.conn.closed
+    assert outcomes(runner.run_batch(ids)) == [(0, "advance"), (0, "advance")]
 
 
 def test_without_a_way_to_reconnect_every_batch_answers_74(
@@ -371,9 +396,10 @@ def test_a_reconnect_refused_for_the_connection_limit_answers_75(
     wid = running(conn)
     runner = make_runner(by_property, worker_dsn=limited_role)
     terminate(conn, runner)
+    wait_readable(runner.conn)
     with psycopg.connect(limited_role):  # takes the role's one connection
-        assert runner.run_batch([wid]) == b"74\n"  # the loss, found by the load
-        assert runner.run_batch([wid]) == b"75\n"  # too many connections for the role
+        assert runner.run_batch([wid]) == b"75\n"  # its reconnect: too many connections
+        assert runner.run_batch([wid]) == b"75\n"
     assert row_of(conn, wid) == ("a", "running", {}, None)
     # The server frees the slot when that backend has exited, a moment after
     # the client closed: wait for it rather than race it.

@@ -19,7 +19,7 @@ from pepsi.dispatch.decisions import (
     Struck,
     WorkerFacts,
 )
-from pepsi.errors import EX_CONFIG
+from pepsi.errors import EX_CONFIG, EX_IOERR, EX_TEMPFAIL
 
 RULES = PoolRules(limit=4, max_runtime=10.0, max_messages=100, ready_timeout=60.0, idle_timeout=5.0)
 
@@ -60,6 +60,15 @@ def test_death_before_ready_without_last_words_names_the_reason() -> None:
 def test_exit_78_before_ready_is_a_refusal() -> None:
     exit_ = _exit((4,), was_ready=False, returncode=EX_CONFIG, last_words="bad HANDLER")
     assert decisions.on_exit(exit_) == FailedStart((4,), "refused to run (exit 78): bad HANDLER")
+
+
+def test_exit_74_before_ready_is_the_database_not_the_stage() -> None:
+    # no database (down, a failover under way): retried on the reconnect backoff
+    exit_ = _exit((4,), was_ready=False, returncode=EX_IOERR, last_words="cannot connect")
+    assert decisions.on_exit(exit_) == FailedStart((4,), "cannot connect", database=True)
+    for code in (1, EX_TEMPFAIL, -9, None):  # 75 keeps START_COOLDOWN: connections are scarce
+        other = _exit((4,), was_ready=False, returncode=code, last_words="x")
+        assert decisions.on_exit(other) == FailedStart((4,), "x", database=False)
 
 
 def test_a_ready_worker_dying_empty_is_only_a_warning() -> None:

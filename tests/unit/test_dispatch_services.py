@@ -7,7 +7,10 @@ and what the tests look at is what the supervisor decided and recorded."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from datetime import UTC, datetime
+
+import pytest
 
 from pepsi.config import Config, DispatchOptions, StageConfig
 from pepsi.dispatch import reload
@@ -17,7 +20,7 @@ from pepsi.dispatch.flusher import StatsFlusher
 from pepsi.dispatch.ledger import Claimed, InFlight
 from pepsi.dispatch.pool import PoolOptions
 from pepsi.dispatch.rows import RowWriter, strike_delays
-from pepsi.dispatch.session import backoff
+from pepsi.dispatch.session import SessionOptions
 from pepsi.dispatch.stats import Stats
 from pepsi.dispatch.supervisor import PoolSupervisor
 from pepsi.dispatch.sweeper import Sweeper, SweepOptions
@@ -182,17 +185,18 @@ def test_a_paused_row_due_sooner_moves_the_sweep_earlier_never_later() -> None:
     assert sweeper.deadlines() == [105.0, 100.0]
 
 
-def test_reconnect_backoff_doubles_to_its_cap() -> None:
-    delays = [1.0]
-    for _ in range(6):
-        delays.append(backoff(delays[-1], 30.0))
-    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+def test_reconnects_back_off_from_100ms_to_reconnect_max_delay() -> None:
+    options = SessionOptions("postgresql:///nowhere", 5.0, 10.0, reconnect_max=1.0)
+    delays = list(itertools.islice(options.backoff.delays(lambda: 0.999999), 6))
+    assert delays == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0, 1.0], abs=1e-5)
 
 
 # ---- the pool supervisor (workers never started) -----------------------------------
 
 
-def _supervisor(clock: Clock, **stage: object) -> tuple[PoolSupervisor, list[str]]:
+def _supervisor(
+    clock: Clock, rng: float = 0.5, **stage: object
+) -> tuple[PoolSupervisor, list[str]]:
     config = Config(
         None,
         stages={"s": StageConfig("s", handler="tests.stages:noop", **stage)},  # type: ignore[arg-type]
@@ -208,9 +212,10 @@ def _supervisor(clock: Clock, **stage: object) -> tuple[PoolSupervisor, list[str
         kill_grace=2.0,
         start_cooldown=5.0,
         tempfail_window=300.0,
+        reconnect_max=1.0,
     )
     supervisor = PoolSupervisor(
-        config, options, _ledger(clock), Stats(), wake=woken.append, clock=clock
+        config, options, _ledger(clock), Stats(), wake=woken.append, clock=clock, rng=lambda: rng
     )
     return supervisor, woken
 
@@ -260,6 +265,28 @@ def test_a_death_before_ready_requeues_and_cools_the_stage_down() -> None:
     clock.now = 105.0
     assert supervisor.capacities() == {"s": 4}
     assert woken == ["worker"]
+
+
+def test_a_worker_that_found_no_database_is_retried_on_the_reconnect_backoff() -> None:
+    # Exit 74 before ready: a failover's symptom. The stage retries after 0.1 s,
+    # doubling up to RECONNECT_MAX_DELAY (1 s), not after START_COOLDOWN (5 s).
+    clock = Clock(100.0)
+    supervisor, _ = _supervisor(clock, rng=0.999999)
+    rests = []
+    for key in range(1, 7):
+        worker = _worker(supervisor, key, [key], ready=False)
+        exit_ = Exit(EX_IOERR, False, False, "exited with status 74", (key,))
+        supervisor.on_exit(worker, exit_)
+        rests.append(supervisor.pools["s"].cooldown_until - clock.now)
+    assert rests == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0, 1.0], abs=1e-5)
+    assert supervisor.capacities() == {"s": 0}
+    clock.now += 1.0
+    assert supervisor.capacities() == {"s": 4}
+    # a worker that reaches the database ends the outage: the next one starts at 0.1 s again
+    supervisor.on_ready(_worker(supervisor, 7, [], ready=False))
+    worker = _worker(supervisor, 8, [8], ready=False)
+    supervisor.on_exit(worker, Exit(EX_IOERR, False, False, "exited with status 74", (8,)))
+    assert supervisor.pools["s"].cooldown_until - clock.now == pytest.approx(0.1, abs=1e-5)
 
 
 def test_a_crash_holding_one_message_strikes_it() -> None:

@@ -4,14 +4,18 @@ Their failed and timed-out messages move to `[pepsi-failure-bouncer] SINK`:
 a stage (pending there, with `state.bounced_from`) or, by default, the table
 `pepsi.dead_letter`, where an operator finds the whole message. A service in
 the dispatcher's style: `run_once()` is one pass, `run()` repeats it every
-INTERVAL until stopped, riding out a database that comes and goes.
+INTERVAL until stopped, riding out a database that comes and goes: while it
+is away, passes are retried on the reconnect backoff (`pepsi.db.backoff`,
+capped by RECONNECT_MAX_DELAY or INTERVAL, whichever is shorter), so the
+first pass after a failover comes within that cap.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +23,9 @@ import psycopg
 
 from pepsi.config import Config
 from pepsi.db import connect, schema
+from pepsi.db.backoff import DEFAULT_CAP, Backoff
 from pepsi.db.queries import query
+from pepsi.durations import format_seconds
 from pepsi.errors import DatabaseUnavailable, classify
 
 log = logging.getLogger("pepsi.failure-bouncer")
@@ -49,12 +55,23 @@ class BouncerSettings:
     sink: str | None  # a stage, or None: the table pepsi.dead_letter
     interval: float  # seconds between passes
     batch: int = BATCH
+    reconnect_max: float = DEFAULT_CAP  # [pepsi-dispatch] RECONNECT_MAX_DELAY
 
     @classmethod
     def from_config(cls, config: Config) -> BouncerSettings:
         sink = config.bouncer.sink
         stages = (s.name for s in config.stages.values() if s.bounce_stage is None)
-        return cls(tuple(s for s in stages if s != sink), sink, config.bouncer.interval)
+        return cls(
+            tuple(s for s in stages if s != sink),
+            sink,
+            config.bouncer.interval,
+            reconnect_max=config.dispatch.reconnect_max_delay,
+        )
+
+    @property
+    def backoff(self) -> Backoff:
+        """Retries while the database is away: never slower than a pass every INTERVAL."""
+        return Backoff(min(self.reconnect_max, self.interval))
 
     @property
     def where(self) -> str:
@@ -94,14 +111,20 @@ class Bouncer:
             log.warning("moved %d failed messages to %s", moved, self.settings.where)
         return moved
 
-    def run(self, stop: threading.Event) -> None:
-        """A pass every interval until `stop` is set; a database outage only skips passes."""
+    def run(self, stop: threading.Event, rng: Callable[[], float] = random.random) -> None:
+        """A pass every interval until `stop` is set; while the database is away, sooner."""
+        retries: Iterator[float] | None = None  # the backoff of the outage under way
         while True:
             try:
                 self.run_once()
             except DatabaseUnavailable as exc:
-                log.warning(
-                    "database unavailable (%s); retrying in %.0fs", exc, self.settings.interval
-                )
-            if stop.wait(self.settings.interval):
+                if retries is None:
+                    retries = self.settings.backoff.delays(rng)
+                wait = next(retries)
+                log.warning("database unavailable (%s); retrying in %s", exc, format_seconds(wait))
+            else:
+                if retries is not None:
+                    log.info("database connection restored")
+                retries, wait = None, self.settings.interval
+            if stop.wait(wait):
                 return

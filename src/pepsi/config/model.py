@@ -61,7 +61,9 @@ class DispatchOptions:
     worker_ready_timeout: float = 60.0  # a new worker's time to print `ready`
     worker_stop_timeout: float = 10.0  # a worker asked to finish (stdin closed)
     worker_kill_grace: float = 2.0  # at shutdown, between SIGTERM and SIGKILL
-    reconnect_max_delay: float = 30.0  # cap of the reconnect backoff (doubling from 1 s)
+    # Cap of every reconnect backoff (pepsi.db.backoff: from 0.1 s, doubling, jittered):
+    # Pepsi's share of a failover once the new primary takes connections.
+    reconnect_max_delay: float = 1.0
 
 
 def default_data_dir() -> Path:

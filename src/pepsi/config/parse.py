@@ -178,7 +178,7 @@ DISPATCH_KEYS: Spec = {
     "WORKER_READY_TIMEOUT": ("worker_ready_timeout", v.duration()),
     "WORKER_STOP_TIMEOUT": ("worker_stop_timeout", v.duration()),
     "WORKER_KILL_GRACE": ("worker_kill_grace", v.duration()),
-    "RECONNECT_MAX_DELAY": ("reconnect_max_delay", v.duration(1.0)),
+    "RECONNECT_MAX_DELAY": ("reconnect_max_delay", v.duration(0.1)),
 }
 POSTGRES_KEYS: Spec = {
     "DSN": ("dsn", v.text),

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from pepsi.dispatch import pools
 from pepsi.durations import format_seconds
-from pepsi.errors import EX_CONFIG
+from pepsi.errors import EX_CONFIG, EX_IOERR
 
 
 class WorkerFacts(NamedTuple):
@@ -57,10 +57,16 @@ class Retired:
 
 @dataclass(frozen=True)
 class FailedStart:
-    """It died before `ready` (W-7): nothing is charged; the stage cools down."""
+    """It died before `ready` (W-7): nothing is charged; the stage cools down.
+
+    `database`: it could not reach the database (exit 74: down, lost, a
+    standby). That is a failover's symptom, not the stage's fault: the stage
+    retries on the reconnect backoff rather than resting START_COOLDOWN.
+    """
 
     requeue: tuple[int, ...]
     cause: str
+    database: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,7 @@ def on_exit(exit_: Exit) -> ExitDecision:
         cause = exit_.last_words or exit_.reason
         if exit_.returncode == EX_CONFIG:
             cause = f"refused to run (exit 78): {cause}"
-        return FailedStart(exit_.unanswered, cause)
+        return FailedStart(exit_.unanswered, cause, database=exit_.returncode == EX_IOERR)
     if not exit_.unanswered:
         return Lost()
     if len(exit_.unanswered) == 1 or exit_.solo or exit_.garbled:

@@ -3,17 +3,19 @@ and on `config_changed` (P-10) and `telemetry_changed` (P-11).
 
 It runs on a connection of its own for the dispatcher's whole life. The
 payload is ignored: a notification only says "look". A (re)connection wakes
-the loop too, since notifications sent while it was away are lost.
+the loop too, since notifications sent while it was away are lost; and so
+does losing it, so that the loop finds a lost claim connection at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Callable
 
 from pepsi.db.queries import query
-from pepsi.dispatch.session import RECONNECT_FIRST, SessionOptions, backoff, connect
+from pepsi.dispatch.session import SessionOptions, connect
 from pepsi.durations import format_seconds
 from pepsi.errors import is_reconnect, one_line
 
@@ -26,28 +28,33 @@ class Listener:
         options: SessionOptions,
         wake: Callable[[str], None],
         on_channel: Callable[[str], None],
+        rng: Callable[[], float] = random.random,
     ) -> None:
         self.options = options
         self.wake = wake
         self.on_channel = on_channel  # config_changed, telemetry_changed
+        self.rng = rng  # the backoff's jitter
         self.listening = False  # since the last connection error
 
     async def run(self) -> None:
         """Listen until cancelled, reconnecting with backoff."""
-        delay = RECONNECT_FIRST
+        delays = self.options.backoff.delays(self.rng)
         while True:
             try:
                 await self.run_once()
             except Exception as exc:  # the listener must outlive any failure: it retries
                 if self.listening:  # it was up: the backoff starts again
-                    self.listening, delay = False, RECONNECT_FIRST
+                    self.listening, delays = False, self.options.backoff.delays(self.rng)
+                    # A failover ends the claim connection too; an idle loop would find
+                    # out only at its next poll tick. A cycle now finds out at once.
+                    self.wake("notify")
+                delay = next(delays)
                 wait = format_seconds(delay)
                 if is_reconnect(exc):
                     log.warning("listener: %s; reconnecting in %s", one_line(exc), wait)
                 else:
                     log.exception("listener failed; reconnecting in %s", wait)
                 await asyncio.sleep(delay)
-                delay = backoff(delay, self.options.reconnect_max)
 
     async def run_once(self) -> None:
         """One connection's life: wake on connecting and on every notification."""

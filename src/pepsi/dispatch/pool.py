@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pepsi.config import Config, StageConfig
+from pepsi.db.backoff import Backoff
 from pepsi.dispatch import decisions, pools
 from pepsi.dispatch.workers import WorkerProcess, resolve_program
 
@@ -26,6 +28,7 @@ class PoolOptions:
     kill_grace: float  # WORKER_KILL_GRACE
     start_cooldown: float  # START_COOLDOWN
     tempfail_window: float  # TEMPFAIL_WINDOW
+    reconnect_max: float  # RECONNECT_MAX_DELAY: caps the retries of a worker that found no database
 
     @classmethod
     def from_config(cls, config: Config, dsn: str) -> PoolOptions:
@@ -40,7 +43,13 @@ class PoolOptions:
             d.worker_kill_grace,
             d.start_cooldown,
             d.tempfail_window,
+            d.reconnect_max_delay,
         )
+
+    @property
+    def start_backoff(self) -> Backoff:
+        """Retries after a worker died before `ready` for want of a database (exit 74)."""
+        return Backoff(min(self.reconnect_max, self.start_cooldown))
 
 
 @dataclass
@@ -48,6 +57,8 @@ class StagePool:
     config: StageConfig
     workers: dict[int, WorkerProcess] = field(default_factory=dict)
     cooldown_until: float = 0.0
+    # The delays after workers that found no database (74 before ready), until one is ready.
+    start_delays: Iterator[float] | None = None
     # Claimed ids whose worker died with several of them in flight: which one
     # killed it is unknown, so each runs alone on an empty worker (W-6).
     isolate: deque[int] = field(default_factory=deque)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ import psycopg
 
 from pepsi.config import Config
 from pepsi.db import schema
+from pepsi.db.backoff import Backoff
 from pepsi.db.connect import connect as connect_sync
 from pepsi.db.connect import connect_async
 from pepsi.db.queries import query
@@ -30,7 +32,6 @@ log = logging.getLogger("pepsi.dispatch")
 AConn = psycopg.AsyncConnection[tuple[Any, ...]]
 
 LOCK_RETRY = 0.5  # seconds between tries for a held lock
-RECONNECT_FIRST = 1.0  # the first reconnect delay; it doubles up to RECONNECT_MAX_DELAY
 
 
 class StopRequested(Exception):
@@ -44,6 +45,11 @@ class SessionOptions:
     lock_wait: float  # LOCK_WAIT
     reconnect_max: float  # RECONNECT_MAX_DELAY
     lock_retry: float = LOCK_RETRY
+
+    @property
+    def backoff(self) -> Backoff:
+        """The reconnect delays: from 0.1 s, jittered, doubling up to RECONNECT_MAX_DELAY."""
+        return Backoff(self.reconnect_max)
 
     @classmethod
     def from_config(cls, config: Config, dsn: str) -> SessionOptions:
@@ -60,21 +66,18 @@ async def connect(dsn: str, application_name: str, timeout: float) -> AConn:
     return await connect_async(dsn, application_name=application_name, timeout=timeout)
 
 
-def backoff(delay: float, cap: float) -> float:
-    """The next reconnect delay: doubled, at most `cap`."""
-    return min(cap, delay * 2)
-
-
 class Session:
     def __init__(
         self,
         options: SessionOptions,
         stopping: Callable[[], bool],
         clock: Callable[[], float],
+        rng: Callable[[], float] = random.random,
     ) -> None:
         self.options = options
         self.stopping = stopping
         self.clock = clock
+        self.rng = rng  # the backoff's jitter
         self.conn: AConn | None = None
 
     async def open(self) -> AConn:
@@ -85,7 +88,7 @@ class Session:
     async def start_checks(self, stage_names: list[str]) -> None:
         """The schema is this build's (P-13); leftover running rows go back (P-2)."""
         assert self.conn is not None
-        await asyncio.to_thread(_require_schema, self.options.dsn)
+        await asyncio.to_thread(_require_schema, self.options.dsn, self.options.connect_timeout)
         cur = await self.conn.execute(query("workqueue_reset_running"))
         if cur.rowcount:
             log.warning("reset %d leftover running rows to pending (P-2)", cur.rowcount)
@@ -97,7 +100,7 @@ class Session:
         False if the dispatcher was asked to stop meanwhile.
         """
         await self.close()
-        delay = RECONNECT_FIRST
+        delays = self.options.backoff.delays(self.rng)
         while not self.stopping():
             try:
                 self.conn = await self._connect_locked(initial=False)
@@ -110,10 +113,10 @@ class Session:
                 error = classify(exc)
                 if error is None:  # not the connection's fault: a bug, not a retry
                     raise
+                delay = next(delays)
                 log.warning("%s; retrying in %s", error, format_seconds(delay))
             await self.close()  # a connection that failed its restore is not kept
             await asyncio.sleep(delay)
-            delay = backoff(delay, self.options.reconnect_max)
         return False
 
     async def reset_orphans(self, held: list[int]) -> None:
@@ -152,9 +155,9 @@ class Session:
             await asyncio.sleep(options.lock_retry)
 
 
-def _require_schema(dsn: str) -> None:
+def _require_schema(dsn: str, timeout: float) -> None:
     """The start-up schema check (P-13), on a short-lived sync connection."""
-    with connect_sync(dsn, application_name="pepsi-dispatch") as conn:
+    with connect_sync(dsn, application_name="pepsi-dispatch", timeout=timeout) as conn:
         schema.require_current(conn)
 
 

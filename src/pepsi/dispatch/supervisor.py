@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 from collections.abc import Callable, Sequence
 
 from pepsi.config import Config
@@ -37,8 +38,10 @@ class PoolSupervisor:
         *,
         wake: Callable[[str], None],
         clock: Callable[[], float],
+        rng: Callable[[], float] = random.random,
     ) -> None:
         self.options = options
+        self.rng = rng  # the start backoff's jitter
         self.ledger = ledger
         self.stats = stats
         self.wake = wake
@@ -146,8 +149,16 @@ class PoolSupervisor:
         log.debug("stage %s: started worker pid %s", stage.name, worker.pid)
         return worker
 
-    def _cool_down(self, pool: StagePool) -> None:
-        pool.cooldown_until = self.clock() + self.options.start_cooldown
+    def _cool_down(self, pool: StagePool, *, database: bool = False) -> float:
+        """Rest the stage: START_COOLDOWN, or the reconnect backoff if the database was away."""
+        if database:
+            if pool.start_delays is None:
+                pool.start_delays = self.options.start_backoff.delays(self.rng)
+            delay = next(pool.start_delays)
+        else:
+            delay = self.options.start_cooldown
+        pool.cooldown_until = self.clock() + delay
+        return delay
 
     # ---- tending ----------------------------------------------------------------
 
@@ -275,6 +286,7 @@ class PoolSupervisor:
 
     def on_ready(self, worker: WorkerProcess) -> None:
         log.debug("stage %s: worker pid %s ready", worker.stage, worker.pid)
+        self._pool(worker.stage).start_delays = None  # it reached the database: backoff over
         self.wake("worker")  # the stage may start its next worker
 
     def on_status(self, worker: WorkerProcess, wid: int, status: StatusLine) -> None:
@@ -301,14 +313,13 @@ class PoolSupervisor:
             case decisions.Retired(requeue):
                 self.ledger.requeue(stage, requeue)
                 log.debug("stage %s: worker pid %s stopped", stage, pid)
-            case decisions.FailedStart(requeue, cause):
+            case decisions.FailedStart(requeue, cause, database):
                 self.ledger.requeue(stage, requeue)
+                delay = self._cool_down(pool, database=database)
                 log.error(
                     "stage %s: worker pid %s died before ready: %s; %d messages requeued, "
-                    "retrying in %s", stage, pid, cause, len(requeue),
-                    format_seconds(self.options.start_cooldown),
+                    "retrying in %s", stage, pid, cause, len(requeue), format_seconds(delay),
                 )  # fmt: skip
-                self._cool_down(pool)
             case decisions.Struck(wid, kind, requeue):
                 reason = f"worker {exit_.reason}"
                 self.ledger.struck(stage, wid, kind, reason, pool.config.max_runtime)

@@ -12,6 +12,7 @@ import contextlib
 import inspect
 import json
 import logging
+import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg.types.json import Jsonb
 
 from pepsi.config import Config, StageConfig
@@ -128,7 +130,7 @@ class StageRunner:
         not recorded and the stage will run again (W-4, W-5).
         """
         try:
-            if self.conn.closed or self.conn.broken:
+            if self.conn.closed or self.conn.broken or ended_by_server(self.conn):
                 self._reopen()
             return self._run_batch(ids)
         except _DatabaseGone as gone:
@@ -143,9 +145,13 @@ class StageRunner:
                 code,
                 len(ids),
             )
+            # Not reused: a node that became a standby keeps the session open and would
+            # refuse every batch's write (25006); the next batch reconnects to the primary.
+            self.conn.close()
             return b"".join(format_status(code) for _ in ids)
 
     def _reopen(self) -> None:
+        self.conn.close()  # a server-ended session may still hold its socket
         if self.reconnect is None:
             raise _DatabaseGone(EX_IOERR)
         try:
@@ -373,6 +379,25 @@ class StageRunner:
             stage_log.error("message %d failed permanently: %s", wid, decision.error)
         else:
             stage_log.error("message %d: %s; giving up after retries", wid, decision.error)
+
+
+def ended_by_server(conn: Conn) -> bool:
+    """Whether the server has spoken on this idle connection since its last statement.
+
+    A worker's idle session gets nothing unasked but the notice that ends it
+    (a terminate, a restart, a failover) and the socket's close: seen here
+    without a round trip, so the first batch after an outage reconnects
+    instead of answering 74 (a DB_ERROR_PAUSE) for messages it never ran.
+    A rare other message (a reported setting) costs one needless reconnect.
+    """
+    status = conn.info.transaction_status
+    if status != TransactionStatus.IDLE:
+        return status == TransactionStatus.UNKNOWN  # libpq already knows it is bad
+    try:
+        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    except (OSError, ValueError):  # no usable socket: as good as ended
+        return True
+    return bool(readable)
 
 
 def _metadata(msg: Message) -> tuple[Any, ...]:
