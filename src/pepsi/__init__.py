@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # mypy sees the real types; at run time they load on first us
         OutgoingMessage,
         Pipeline,
         Publisher,
+        Retry,
         SyncPipeline,
     )
 
@@ -46,7 +47,7 @@ __version__ = "0.1.0"
 # worker process (which imports this package) starts faster. (Their errors
 # live in pepsi.errors, imported above.)
 _PUBLISHING = frozenset(
-    {"AsyncPublisher", "OutgoingMessage", "Pipeline", "Publisher", "SyncPipeline"}
+    {"AsyncPublisher", "OutgoingMessage", "Pipeline", "Publisher", "Retry", "SyncPipeline"}
 )
 
 
@@ -83,6 +84,7 @@ __all__ = [
     "PublishFailed",
     "Publisher",
     "Rejected",
+    "Retry",
     "SchemaMismatch",
     "SyncPipeline",
     "__version__",

@@ -195,7 +195,12 @@ class WorkerRefused(ConfigError):
 # dropped, idle session timeout, idle-in-transaction timeout.
 _LOST_STATES = frozenset({"57P01", "57P02", "57P03", "57P04", "57P05", "25P03"})
 _READ_ONLY_STATES = frozenset({"25006"})  # read_only_sql_transaction: a standby, or recovery
-_READ_ONLY_HINTS = ("recovery is in progress", "during recovery", "conflict with recovery")
+_READ_ONLY_HINTS = (
+    "recovery is in progress",
+    "during recovery",
+    "conflict with recovery",
+    "in recovery mode",  # at connect time, no SQLSTATE: a standby without hot_standby
+)
 _BUSY_STATES = frozenset({"53300"})  # too_many_connections
 # A refusal at connect time carries no SQLSTATE (libpq gives only the text).
 _BUSY_HINTS = ("too many clients", "too many connections", "connection slots are reserved")
@@ -265,6 +270,20 @@ def is_reconnect(exc: BaseException) -> bool:
     return classify(exc) is not None
 
 
+def is_unwritten(exc: BaseException) -> bool:
+    """Whether the failed work surely wrote nothing: trying it again cannot duplicate it.
+
+    True for no connection at all (refused, busy, a pool timeout) and a
+    read-only node (25006, recovery): the statement never ran on a primary.
+    False for a connection lost while the statement ran (its commit may have
+    happened: `NotConfirmed`) and for everything not the database's fault.
+    """
+    error = classify(exc)
+    if error is None or isinstance(error, NotConfirmed):
+        return False
+    return isinstance(error, DatabaseReadOnly) or not isinstance(error, DatabaseLost)
+
+
 def database_exit_code(exc: BaseException) -> int | None:
     """A worker's status for `exc`: 74 (lost, read-only), 75 (busy), None (host failure).
 
@@ -310,5 +329,6 @@ __all__ = [
     "classify",
     "database_exit_code",
     "is_reconnect",
+    "is_unwritten",
     "one_line",
 ]

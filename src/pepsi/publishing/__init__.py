@@ -25,6 +25,7 @@ from pepsi.publishing.errors import (
     Rejected,
 )
 from pepsi.publishing.message import OutgoingMessage
+from pepsi.publishing.retry import Retry
 
 if TYPE_CHECKING:
     from pepsi.publishing.client import AsyncPublisher, Publisher
@@ -53,5 +54,6 @@ __all__ = [
     "PublishFailed",
     "Publisher",
     "Rejected",
+    "Retry",
     "SyncPipeline",
 ]

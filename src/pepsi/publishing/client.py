@@ -12,11 +12,20 @@ Lifecycle, as psycopg's pools: the constructor does no I/O; `open()`, a
 checks the schema and reads the overlay. Everything but the I/O (routes,
 batches, errors) is in `_Core` and `batch.py`, shared by both sides; the
 sync pipeline is the async one on an event loop thread (DESIGN §9).
+
+Confirms with replication (Q-2, Q-3): `confirm_timeout=` bounds the wait for
+the confirm by shutting the connection down, never by cancelling the
+statement (`confirm.py`); `retry=` tries a publish again after a failure
+that wrote nothing, or whose outcome is unknown when every message is
+deduplicated (`retry.py` decides). A connection found broken drains the pool:
+after a failover, no connection to the old primary is handed out again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -45,12 +54,23 @@ from pepsi.errors import (
     one_line,
 )
 from pepsi.publishing import batch
-from pepsi.publishing.confirm import SyncRepWatch
+from pepsi.publishing import retry as retrying
+from pepsi.publishing.confirm import SAFE_AGAIN, ConfirmDeadline, SyncRepWatch
 from pepsi.publishing.errors import NotConfirmed, NotOpen, PublishFailed, Rejected
 from pepsi.publishing.message import OutgoingMessage
 from pepsi.publishing.pipeline import Pipeline, SyncPipeline
+from pepsi.publishing.retry import Retry
 
 REJECTED = "PP001"  # raised by pepsi.workqueue_publish when a stage is full
+# psycopg_pool's own reconnect attempts double from 1 s for 5 minutes: after a
+# failover the pool could wait many seconds after the new primary took writes.
+# Its attempts give up after this instead, and a publish regrows it on demand
+# at once (getconn on an empty pool connects).
+POOL_RECONNECT_TIMEOUT = 0.5
+# After a lost connection, a retried publish waits at most this long for the
+# pool before it counts the attempt as "not written" and tries again: each
+# try regrows the pool, so the new primary is found within about a second.
+RECOVERY_WAIT = 0.5
 AnyConn = psycopg.Connection[Any]
 AnyAConn = psycopg.AsyncConnection[Any]
 T = TypeVar("T")
@@ -75,8 +95,21 @@ def _translate(exc: psycopg.Error) -> PepsiError:
         return Rejected(str(exc.diag.message_primary), exc.diag.message_detail)
     domain = _domain(exc)
     if isinstance(domain, DatabaseLost) and not isinstance(domain, DatabaseReadOnly):
-        return NotConfirmed(f"connection lost before the confirm: {one_line(exc)}")
+        return NotConfirmed(f"connection lost before the confirm ({one_line(exc)}): {SAFE_AGAIN}")
     return domain
+
+
+def _owns(conn: AnyConn | AnyAConn) -> bool:
+    """Whether the publish statement is its own transaction (its commit is the confirm)."""
+    return conn.autocommit and conn.info.transaction_status.name == "IDLE"
+
+
+def _confirm_timeout(given: float | None, default: float | None) -> float | None:
+    """A call's `confirm_timeout=`: None keeps the publisher's (None there: wait)."""
+    value = default if given is None else given
+    if value is not None and not value > 0:
+        raise ValueError(f"confirm_timeout must be > 0 seconds or None, not {value!r}")
+    return value
 
 
 def _pool_options(config: Config, dsn: str) -> dict[str, Any]:
@@ -91,6 +124,7 @@ def _pool_options(config: Config, dsn: str) -> dict[str, Any]:
         "max_size": pg.pool_max_size,
         "kwargs": {"autocommit": True, **params},
         "timeout": pg.connect_timeout,
+        "reconnect_timeout": POOL_RECONNECT_TIMEOUT,
         "open": False,
     }
 
@@ -113,11 +147,44 @@ def _config(config: Config | Path | str | None) -> Config:
 class _Core:
     """What both publishers share: the routes (configuration + overlay) and the checks."""
 
-    def __init__(self, config: Config, dsn: str) -> None:
+    def __init__(
+        self,
+        config: Config,
+        dsn: str,
+        *,
+        confirm_timeout: float | None = None,
+        retry: Retry | bool = False,
+    ) -> None:
         self.base = config
         self.current = config
         self.dsn = dsn
         self.opened = False
+        self.confirm_timeout = _confirm_timeout(confirm_timeout, None)
+        self.retry = retrying.policy(retry, None)
+        self.recovering = False  # a connection was lost and none has worked since
+
+    def _options(
+        self, confirm_timeout: float | None, retry: Retry | bool | None, connection: object
+    ) -> tuple[float | None, Retry | None]:
+        """A call's deadline and retry policy. On the caller's connection there is no
+        retry (only the caller can run its work again), and in the caller's transaction
+        no deadline either: the confirm is the caller's COMMIT."""
+        timeout = _confirm_timeout(confirm_timeout, self.confirm_timeout)
+        if connection is None:
+            return timeout, retrying.policy(retry, self.retry)
+        if retry:
+            raise ValueError("retry= cannot be used with connection= (your connection, your retry)")
+        return timeout, None
+
+    def _pool_wait(self, remaining: float) -> float:
+        """How long a retried attempt waits for a pool connection: within the deadline, and
+        briefly after a lost connection (each new try makes the pool connect again)."""
+        wait = min(self.base.postgres.connect_timeout, remaining)
+        return min(wait, RECOVERY_WAIT) if self.recovering else wait
+
+    def _lost(self, conn: AnyConn | AnyAConn, exc: BaseException) -> bool:
+        """Whether `conn` failed as a failover leaves connections: broken, or on a standby."""
+        return conn.broken or isinstance(classify(exc), DatabaseReadOnly)
 
     @property
     def config(self) -> Config:
@@ -142,17 +209,40 @@ class _Core:
 
 
 class Publisher(_Core):
-    """Synchronous publisher over a small connection pool."""
+    """Synchronous publisher over a small connection pool.
 
-    def __init__(self, config: Config, dsn: str) -> None:
-        super().__init__(config, dsn)
+    `confirm_timeout` (seconds, None: wait) and `retry` (a `Retry`, True for
+    the defaults) are the defaults of every publish call; see `publish_many`.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        dsn: str,
+        *,
+        confirm_timeout: float | None = None,
+        retry: Retry | bool = False,
+    ) -> None:
+        super().__init__(config, dsn, confirm_timeout=confirm_timeout, retry=retry)
         self.pool = ConnectionPool(dsn, **_pool_options(config, dsn))
 
     @classmethod
-    def connect(cls, config: Config | Path | str | None = None, dsn: str | None = None) -> Self:
+    def connect(
+        cls,
+        config: Config | Path | str | None = None,
+        dsn: str | None = None,
+        *,
+        confirm_timeout: float | None = None,
+        retry: Retry | bool = False,
+    ) -> Self:
         """An open publisher for `config` (a Config, or a path; default locations if None)."""
         config = _config(config)
-        publisher = cls(config, dsn or db_connect.resolve(config).dsn)
+        publisher = cls(
+            config,
+            dsn or db_connect.resolve(config).dsn,
+            confirm_timeout=confirm_timeout,
+            retry=retry,
+        )
         publisher.open()
         return publisher
 
@@ -188,29 +278,105 @@ class Publisher(_Core):
         self._apply(read_overlay(conn))
 
     def publish(
-        self, stage: str, body: Any = None, *, connection: AnyConn | None = None, **fields: Any
+        self,
+        stage: str,
+        body: Any = None,
+        *,
+        connection: AnyConn | None = None,
+        confirm_timeout: float | None = None,
+        retry: Retry | bool | None = None,
+        **fields: Any,
     ) -> int:
         """Publish one message; return its id once confirmed. See OutgoingMessage."""
-        return self.publish_many([_message(stage, body, fields)], connection=connection)[0]
+        return self.publish_many(
+            [_message(stage, body, fields)],
+            connection=connection,
+            confirm_timeout=confirm_timeout,
+            retry=retry,
+        )[0]
 
     def publish_many(
-        self, messages: Iterable[OutgoingMessage], *, connection: AnyConn | None = None
+        self,
+        messages: Iterable[OutgoingMessage],
+        *,
+        connection: AnyConn | None = None,
+        confirm_timeout: float | None = None,
+        retry: Retry | bool | None = None,
     ) -> list[int]:
-        """Publish a batch: one transaction, one confirm, one NOTIFY."""
+        """Publish a batch: one transaction, one confirm, one NOTIFY.
+
+        `confirm_timeout`: seconds to wait for the confirm, then NotConfirmed
+        (None: the publisher's). `retry`: a Retry, True (defaults) or False
+        (None: the publisher's); messages without a message id get one, with
+        dedup=True, so that a retry cannot publish them twice.
+        """
         items = list(messages)
         if not items:
             return []
+        timeout, rule = self._options(confirm_timeout, retry, connection)
+        if rule is not None:
+            items = retrying.idempotent(items)
         if self.base.pepsi.share_telemetry:  # P-11: a publish span, its context in each message
             with telemetry.for_publisher(self.base).publish(items) as traced:
-                return self._publish(traced, connection)
-        return self._publish(items, connection)
+                return self._publish(traced, connection, timeout, rule)
+        return self._publish(items, connection, timeout, rule)
 
-    def _publish(self, items: list[OutgoingMessage], connection: AnyConn | None) -> list[int]:
-        if self._needs_refresh(items):
-            self._run(connection, self._refresh)
-        call = batch.build(items, self.current)
-        answer = self._run(connection, lambda conn: self._execute(conn, call))
+    def _publish(
+        self,
+        items: list[OutgoingMessage],
+        connection: AnyConn | None,
+        timeout: float | None,
+        rule: Retry | None,
+    ) -> list[int]:
+        if connection is not None:
+            if self._needs_refresh(items):
+                self._run(connection, self._refresh)
+            call = batch.build(items, self.current)
+            answer = self._run(connection, lambda conn: self._execute(conn, call, timeout))
+            return batch.ids_from(call, answer)
+        if rule is None:
+            return self._attempt(items, timeout, self.pool.timeout)
+        tries = retrying.Attempts(rule, idempotent=retrying.all_deduplicated(items))
+        while True:
+            tries.begin()
+            try:
+                return self._attempt(items, timeout, self._pool_wait(tries.remaining()))
+            except PepsiError as exc:
+                pause = tries.failed(exc)
+                if pause is None:
+                    raise
+            time.sleep(pause)
+
+    def _attempt(
+        self, items: list[OutgoingMessage], timeout: float | None, wait: float
+    ) -> list[int]:
+        """One try on a pool connection; a broken one drains the pool (a failover)."""
+        self._require_open()
+        lost = False
+        try:
+            with self.pool.connection(timeout=wait) as conn:
+                try:
+                    if self._needs_refresh(items):
+                        self._refresh(conn)
+                    call = batch.build(items, self.current)
+                    answer = self._execute(conn, call, timeout)
+                except BaseException as exc:
+                    lost = self._lost(conn, exc)
+                    raise
+        except psycopg.Error as exc:
+            self._failed(lost, exc)
+            raise _domain(exc) from exc
+        except DatabaseUnavailable as exc:
+            self._failed(lost, exc)
+            raise
+        self.recovering = False
         return batch.ids_from(call, answer)
+
+    def _failed(self, lost: bool, exc: BaseException) -> None:
+        if classify(exc) is not None:
+            self.recovering = True
+        if lost:
+            self.pool.drain()  # the others are likely on the old primary too
 
     def _run(self, connection: AnyConn | None, work: Callable[[AnyConn], T]) -> T:
         self._require_open()
@@ -222,20 +388,38 @@ class Publisher(_Core):
         except psycopg.Error as exc:
             raise _domain(exc) from exc
 
-    def _execute(self, conn: AnyConn, call: batch.BatchCall) -> list[tuple[Any, ...]]:
+    def _execute(
+        self, conn: AnyConn, call: batch.BatchCall, timeout: float | None
+    ) -> list[tuple[Any, ...]]:
+        deadline: ConfirmDeadline | None = None
         try:
-            if conn.autocommit and conn.info.transaction_status.name == "IDLE":
+            if _owns(conn):
                 cancelled = SyncRepWatch()
                 conn.add_notice_handler(cancelled)
+                timer: threading.Timer | None = None
+                if timeout is not None:  # a thread that shuts the socket down, never a cancel
+                    deadline = ConfirmDeadline(conn)
+                    timer = threading.Timer(timeout, deadline.fire)
+                    timer.daemon = True
+                    timer.start()
                 try:
                     answer = conn.execute(call.sql, call.params).fetchall()  # one round trip
                 finally:
                     conn.remove_notice_handler(cancelled)
+                    if deadline is not None and timer is not None:
+                        deadline.finish()
+                        timer.cancel()
+                if deadline is not None and deadline.fired:  # the answer won the race
+                    conn.close()  # its socket is shut: the pool must not hand it out again
                 cancelled.check()
                 return answer
             with conn.transaction():  # a savepoint in the caller's transaction
                 return conn.execute(call.sql, call.params).fetchall()
         except psycopg.Error as exc:
+            if deadline is not None and deadline.fired:
+                conn.close()
+                assert timeout is not None
+                raise ConfirmDeadline.error(timeout) from exc
             raise _translate(exc) from exc
 
     def pipeline(
@@ -244,7 +428,9 @@ class Publisher(_Core):
         """Pipelined publishing: the async pipeline on an event loop thread of its own."""
         self._require_open()
         return SyncPipeline(
-            lambda: AsyncPublisher(self.base, self.dsn),
+            lambda: AsyncPublisher(
+                self.base, self.dsn, confirm_timeout=self.confirm_timeout, retry=self.retry or False
+            ),
             max_outstanding=max_outstanding,
             max_batch=max_batch,
             concurrency=concurrency,
@@ -267,19 +453,31 @@ class Publisher(_Core):
 class AsyncPublisher(_Core):
     """Asynchronous publisher over a small connection pool; see `Publisher`."""
 
-    def __init__(self, config: Config, dsn: str) -> None:
-        super().__init__(config, dsn)
+    def __init__(
+        self,
+        config: Config,
+        dsn: str,
+        *,
+        confirm_timeout: float | None = None,
+        retry: Retry | bool = False,
+    ) -> None:
+        super().__init__(config, dsn, confirm_timeout=confirm_timeout, retry=retry)
         self.pool = AsyncConnectionPool(dsn, **_pool_options(config, dsn))
 
     @classmethod
     async def connect(
-        cls, config: Config | Path | str | None = None, dsn: str | None = None
+        cls,
+        config: Config | Path | str | None = None,
+        dsn: str | None = None,
+        *,
+        confirm_timeout: float | None = None,
+        retry: Retry | bool = False,
     ) -> Self:
         """An open publisher for `config` (a Config, or a path; default locations if None)."""
         config = _config(config)
         if dsn is None:
             dsn = (await asyncio.to_thread(db_connect.resolve, config)).dsn
-        publisher = cls(config, dsn)
+        publisher = cls(config, dsn, confirm_timeout=confirm_timeout, retry=retry)
         await publisher.open()
         return publisher
 
@@ -323,53 +521,135 @@ class AsyncPublisher(_Core):
         self._apply(await read_overlay_async(conn))
 
     async def publish(
-        self, stage: str, body: Any = None, *, connection: AnyAConn | None = None, **fields: Any
+        self,
+        stage: str,
+        body: Any = None,
+        *,
+        connection: AnyAConn | None = None,
+        confirm_timeout: float | None = None,
+        retry: Retry | bool | None = None,
+        **fields: Any,
     ) -> int:
         """Publish one message; return its id once confirmed. See OutgoingMessage."""
-        ids = await self.publish_many([_message(stage, body, fields)], connection=connection)
+        ids = await self.publish_many(
+            [_message(stage, body, fields)],
+            connection=connection,
+            confirm_timeout=confirm_timeout,
+            retry=retry,
+        )
         return ids[0]
 
     async def publish_many(
-        self, messages: Iterable[OutgoingMessage], *, connection: AnyAConn | None = None
+        self,
+        messages: Iterable[OutgoingMessage],
+        *,
+        connection: AnyAConn | None = None,
+        confirm_timeout: float | None = None,
+        retry: Retry | bool | None = None,
     ) -> list[int]:
-        """Publish a batch: one transaction, one confirm, one NOTIFY."""
+        """Publish a batch: one transaction, one confirm, one NOTIFY. See Publisher.publish_many.
+
+        Do not bound it with asyncio.timeout/wait_for: a cancelled publish makes
+        psycopg cancel the statement, and a cancelled wait for a standby commits
+        locally. `confirm_timeout` closes the connection instead.
+        """
         items = list(messages)
         if not items:
             return []
         self._require_open()
+        timeout, rule = self._options(confirm_timeout, retry, connection)
+        if rule is not None:
+            items = retrying.idempotent(items)
         if self.base.pepsi.share_telemetry:  # P-11: a publish span, its context in each message
             with telemetry.for_publisher(self.base).publish(items) as traced:
-                return await self._publish_on(connection, traced)
-        return await self._publish_on(connection, items)
+                return await self._publish_on(connection, traced, timeout, rule)
+        return await self._publish_on(connection, items, timeout, rule)
 
     async def _publish_on(
-        self, connection: AnyAConn | None, items: list[OutgoingMessage]
+        self,
+        connection: AnyAConn | None,
+        items: list[OutgoingMessage],
+        timeout: float | None,
+        rule: Retry | None,
     ) -> list[int]:
-        try:
-            if connection is not None:
-                return await self._publish(connection, items)
-            async with self.pool.connection() as conn:
-                return await self._publish(conn, items)
-        except psycopg.Error as exc:
-            raise _domain(exc) from exc
+        if connection is not None:
+            try:
+                return await self._publish(connection, items, timeout)
+            except psycopg.Error as exc:
+                raise _domain(exc) from exc
+        if rule is None:
+            return await self._attempt(items, timeout, self.pool.timeout)
+        tries = retrying.Attempts(rule, idempotent=retrying.all_deduplicated(items))
+        while True:
+            tries.begin()
+            try:
+                return await self._attempt(items, timeout, self._pool_wait(tries.remaining()))
+            except PepsiError as exc:
+                pause = tries.failed(exc)
+                if pause is None:
+                    raise
+            await asyncio.sleep(pause)
 
-    async def _publish(self, conn: AnyAConn, items: list[OutgoingMessage]) -> list[int]:
+    async def _attempt(
+        self, items: list[OutgoingMessage], timeout: float | None, wait: float
+    ) -> list[int]:
+        """One try on a pool connection; a broken one drains the pool (a failover)."""
+        lost = False
+        try:
+            async with self.pool.connection(timeout=wait) as conn:
+                try:
+                    ids = await self._publish(conn, items, timeout)
+                except BaseException as exc:
+                    lost = self._lost(conn, exc)
+                    raise
+        except psycopg.Error as exc:
+            await self._failed(lost, exc)
+            raise _domain(exc) from exc
+        except DatabaseUnavailable as exc:
+            await self._failed(lost, exc)
+            raise
+        self.recovering = False
+        return ids
+
+    async def _failed(self, lost: bool, exc: BaseException) -> None:
+        if classify(exc) is not None:
+            self.recovering = True
+        if lost:
+            await self.pool.drain()  # the others are likely on the old primary too
+
+    async def _publish(
+        self, conn: AnyAConn, items: list[OutgoingMessage], timeout: float | None
+    ) -> list[int]:
         if self._needs_refresh(items):
             await self._refresh(conn)
         call = batch.build(items, self.current)
+        deadline: ConfirmDeadline | None = None
         try:
-            if conn.autocommit and conn.info.transaction_status.name == "IDLE":
+            if _owns(conn):
                 cancelled = SyncRepWatch()
                 conn.add_notice_handler(cancelled)
+                timer: asyncio.TimerHandle | None = None
+                if timeout is not None:  # shuts the socket down; never a cancel (see above)
+                    deadline = ConfirmDeadline(conn)
+                    timer = asyncio.get_running_loop().call_later(timeout, deadline.fire)
                 try:
                     answer = await (await conn.execute(call.sql, call.params)).fetchall()
                 finally:
                     conn.remove_notice_handler(cancelled)
+                    if deadline is not None and timer is not None:
+                        deadline.finish()
+                        timer.cancel()
+                if deadline is not None and deadline.fired:  # the answer won the race
+                    await conn.close()  # its socket is shut: the pool must not reuse it
                 cancelled.check()
             else:
                 async with conn.transaction():
                     answer = await (await conn.execute(call.sql, call.params)).fetchall()
         except psycopg.Error as exc:
+            if deadline is not None and deadline.fired:
+                await conn.close()
+                assert timeout is not None
+                raise ConfirmDeadline.error(timeout) from exc
             raise _translate(exc) from exc
         return batch.ids_from(call, answer)
 

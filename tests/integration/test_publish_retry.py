@@ -1,0 +1,225 @@
+"""`retry=` (Q-3): a publish that failed, or whose outcome is unknown, is published once.
+
+Real faults on a real server: the pool's sessions terminated under it, a
+read-only database (as a standby refuses writes: 25006), the server stopped
+and started again (a failover's outage, on one node). Each publish call
+gives exactly one row, and the publisher finds the server again as soon as
+it accepts connections, not after the pool's own reconnect backoff.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from pepsi.config import load_config
+from pepsi.db import schema
+from pepsi.db.embedded import EmbeddedServer
+from pepsi.errors import DatabaseReadOnly, NotConfirmed
+from pepsi.publishing import AsyncPublisher, OutgoingMessage, Publisher, Retry
+from tests.scenarios.conftest import wait_until
+
+OUTAGE = 6.0  # seconds the server is down in the outage test
+CONF = "[stage-a]\nHANDLER = tests.stages:noop\n[pepsi-postgres]\nPOOL_MIN_SIZE = 2\n"
+
+
+@pytest.fixture
+def conf(tmp_path: Path) -> Path:
+    path = tmp_path / "pepsi.conf"
+    path.write_text(CONF)
+    return path
+
+
+def terminate_publishers(dsn: str) -> int:
+    """End every publisher session of this database, as a failover does; how many."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name = 'pepsi-publish' AND datname = current_database()"
+        ).fetchall()
+    return len(rows)
+
+
+def rows(dsn: str) -> list[tuple[int, str | None]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return [
+            (int(wid), mid)
+            for wid, mid in conn.execute(
+                "SELECT workqueue_id, message_id FROM pepsi.workqueue ORDER BY workqueue_id"
+            ).fetchall()
+        ]
+
+
+def test_terminated_sessions_give_exactly_one_message(conf: Path, dsn: str) -> None:
+    with Publisher.connect(load_config(conf), dsn) as publisher:
+        wait_until(lambda: publisher.pool.get_stats()["pool_available"] >= 2, what="2 idle")
+        assert terminate_publishers(dsn) >= 2
+        started = time.monotonic()
+        wid = publisher.publish("a", b"x", retry=True)
+        took = time.monotonic() - started
+    assert took < 5.0  # a fresh connection at once, not the pool's backoff (measured ~0.1 s)
+    ((stored, message_id),) = rows(dsn)
+    assert stored == wid
+    assert message_id is not None  # generated (uuid4), deduplicated: safe to publish again
+
+
+def test_without_retry_the_next_publish_gets_a_fresh_connection(conf: Path, dsn: str) -> None:
+    """The lost connection drains the pool: the other stale one is not handed out."""
+    with Publisher.connect(load_config(conf), dsn) as publisher:
+        wait_until(lambda: publisher.pool.get_stats()["pool_available"] >= 2, what="2 idle")
+        terminate_publishers(dsn)
+        with pytest.raises(NotConfirmed, match="same message_id and dedup=True"):
+            publisher.publish("a", b"x")
+        publisher.publish("a", b"y")
+    assert len(rows(dsn)) == 1
+
+
+def test_the_async_publisher_retries_too(conf: Path, dsn: str) -> None:
+    async def main() -> int:
+        async with AsyncPublisher(load_config(conf), dsn, retry=Retry(attempts=5)) as publisher:
+            await publisher.publish("a", b"warm")
+            terminate_publishers(dsn)
+            return await publisher.publish("a", b"x")
+
+    import asyncio  # noqa: PLC0415
+
+    wid = asyncio.run(main())
+    assert [w for w, _ in rows(dsn)][-1] == wid
+    assert len(rows(dsn)) == 2
+
+
+def test_a_read_only_database_is_retried_until_it_takes_writes(conf: Path, dsn: str) -> None:
+    """25006 wrote nothing: retried (the publish waits for a primary), then one row."""
+    dbname = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+    assert isinstance(dbname, str)
+    read_only = sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = {}")
+    result: dict[str, Any] = {}
+    with Publisher.connect(load_config(conf), dsn) as publisher:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(read_only.format(sql.Identifier(dbname), sql.Literal("on")))
+        terminate_publishers(dsn)  # its new sessions are read-only: a standby's answer
+
+        def publish() -> None:
+            try:
+                result["id"] = publisher.publish("a", b"x", retry=Retry(deadline=60))
+            except Exception as exc:  # noqa: BLE001  # reported below
+                result["error"] = exc
+
+        thread = threading.Thread(target=publish)
+        thread.start()
+        wait_until(lambda: publisher.recovering, what="a refused attempt")
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute("SET default_transaction_read_only = off")  # read-only by now
+            admin.execute(read_only.format(sql.Identifier(dbname), sql.Literal("off")))
+        thread.join(timeout=60)
+    assert "error" not in result, result
+    assert [w for w, _ in rows(dsn)] == [result["id"]]
+
+
+def test_without_retry_read_only_is_database_read_only(conf: Path, dsn: str) -> None:
+    dbname = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+    with Publisher.connect(load_config(conf), dsn) as publisher:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(
+                sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(
+                    sql.Identifier(str(dbname))
+                )
+            )
+        wait_until(lambda: publisher.pool.get_stats()["pool_available"] >= 2, what="2 idle")
+        terminate_publishers(dsn)
+        with pytest.raises(NotConfirmed):  # a terminated session first: the pool drains
+            publisher.publish("a", b"x")
+        with pytest.raises(DatabaseReadOnly):  # then a new session, read-only: 25006
+            publisher.publish("a", b"x")
+    assert rows(dsn) == []
+
+
+def test_retry_needs_dedup_to_retry_an_unknown_outcome(conf: Path, dsn: str) -> None:
+    """A message with its own id and dedup=False is not retried after a lost connection."""
+    with Publisher.connect(load_config(conf), dsn, retry=True) as publisher:
+        wait_until(lambda: publisher.pool.get_stats()["pool_available"] >= 2, what="2 idle")
+        terminate_publishers(dsn)
+        with pytest.raises(NotConfirmed):
+            publisher.publish("a", b"x", message_id="mine")
+    assert rows(dsn) == []
+
+
+def test_retry_is_refused_on_the_callers_connection(conf: Path, dsn: str) -> None:
+    with (
+        Publisher.connect(load_config(conf), dsn) as publisher,
+        psycopg.connect(dsn) as own,
+        pytest.raises(ValueError, match="connection="),
+    ):
+        publisher.publish("a", b"x", connection=own, retry=True)
+
+
+@pytest.fixture
+def own_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
+    server = EmbeddedServer(tmp_path_factory.mktemp("outage") / "data")
+    dsn = server.start()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        schema.install(conn)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_an_outage_costs_the_publisher_about_a_second(
+    own_server: EmbeddedServer, conf: Path
+) -> None:
+    """The server goes down for a few seconds and comes back: the publish waiting with
+    retry= succeeds once, about a second at most after the server accepts connections
+    again (psycopg_pool's own backoff, 1 s doubling, would add seconds)."""
+    dsn = own_server.uri()
+    assert dsn is not None
+    result: dict[str, Any] = {}
+    with Publisher.connect(load_config(conf), dsn, retry=Retry(deadline=60)) as publisher:
+        own_server.stop()
+        stopped = time.monotonic()
+
+        def publish() -> None:
+            try:
+                result["id"] = publisher.publish("a", b"x")
+            except Exception as exc:  # noqa: BLE001  # reported below
+                result["error"] = exc
+            result["done"] = time.time()
+
+        thread = threading.Thread(target=publish)
+        thread.start()
+        # an outage as long as a tuned failover's last steps: the pool's own attempts
+        # (1 s, 2 s, 4 s apart by default) would be far apart by its end
+        wait_until(lambda: time.monotonic() - stopped > OUTAGE, OUTAGE + 5, "the outage")
+        assert own_server.start() == dsn
+        thread.join(timeout=60)
+    assert "error" not in result, result
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        up = conn.execute("SELECT extract(epoch FROM pg_postmaster_start_time())").fetchone()
+    assert up is not None
+    recovery = result["done"] - float(up[0])
+    print(f"publish confirmed {recovery:.3f}s after the server started")
+    assert recovery < 3.0  # measured 0.1-1.2 s: the retry's delay is capped at 1 s
+    assert [w for w, _ in rows(dsn)] == [result["id"]]
+
+
+def test_the_sync_pipeline_inherits_retry(conf: Path, dsn: str) -> None:
+    with Publisher.connect(load_config(conf), dsn, retry=True) as publisher:
+        pipe = publisher.pipeline(concurrency=2)
+        try:
+            first = [pipe.submit(OutgoingMessage("a", b"warm")) for _ in range(10)]
+            pipe.flush()
+            terminate_publishers(dsn)  # the pipeline's own pool too
+            futures = [pipe.submit(OutgoingMessage("a", b"x")) for _ in range(50)]
+            pipe.flush()
+        finally:
+            pipe.close()
+    ids = [f.result(timeout=0) for f in first + futures]
+    assert sorted(ids) == [w for w, _ in rows(dsn)]
+    assert len(set(ids)) == 60
