@@ -27,6 +27,18 @@ ENV_DSN = "PEPSI_DSN"
 # CONNECT_TIMEOUT's default (the config model is its one source), for callers without a config
 DEFAULT_TIMEOUT = PostgresOptions.connect_timeout
 
+# TCP keepalives unless the DSN sets its own: a primary whose host vanished
+# without closing its connections (power loss, a partition) is noticed after
+# about IDLE + INTERVAL * COUNT = 11 s of silence, before a failover manager
+# even promotes a standby (Patroni's ttl is 20 s at least), instead of the
+# kernel's retransmission timeout (minutes). Ignored on Unix sockets.
+KEEPALIVES = {
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+}
+
 if TYPE_CHECKING:  # a worker is given its DSN: it never imports the embedded server
     from pepsi.db.embedded import EmbeddedServer
 
@@ -83,14 +95,18 @@ def connect_params(
     """The keyword arguments both connects give psycopg (and a pool's `kwargs`).
 
     `settings` are run-time parameters (`synchronous_commit=off`) appended to
-    any `options` the DSN already has. ProgrammingError for a malformed DSN.
+    any `options` the DSN already has; TCP keepalives unless the DSN sets any.
+    ProgrammingError for a malformed DSN.
     """
+    given_params = conninfo.conninfo_to_dict(dsn)
     params: dict[str, Any] = {
         "connect_timeout": max(1, round(timeout)),  # libpq takes whole seconds, 0 = forever
         "application_name": application_name,
     }
+    if not any(name in given_params for name in KEEPALIVES):
+        params.update(KEEPALIVES)
     if settings:
-        given = conninfo.conninfo_to_dict(dsn).get("options")
+        given = given_params.get("options")
         extra = " ".join(f"-c {name}={_escape(str(value))}" for name, value in settings.items())
         params["options"] = f"{given} {extra}" if given else extra
     return params
