@@ -19,8 +19,8 @@ import pytest
 from pepsi.cluster.harness import Cluster
 from pepsi.cluster.layout import NODES
 from pepsi.config import load_config
-from pepsi.errors import DatabaseUnavailable, NotConfirmed
-from pepsi.publishing import Publisher
+from pepsi.errors import NotConfirmed
+from pepsi.publishing import Publisher, Retry
 from tests.cluster.conftest import fresh_database
 from tests.scenarios.conftest import Pipeline, wait_until
 
@@ -32,30 +32,22 @@ TWO_STAGES = (
 
 
 class Producer(threading.Thread):
-    """Publishes one message per call until stopped; a call ends only once confirmed.
+    """Publishes one message per call until stopped, each call with `retry=`.
 
-    A call that fails (no primary, connection lost, not confirmed) is tried
-    again with the same message id under dedup, so each call is one message.
+    The publisher gives each message an id under dedup and tries a failed
+    call again (no primary, connection lost, not confirmed) until confirmed,
+    so each call is exactly one message (Q-3).
     """
 
     def __init__(self, conf: Path, dsn: str) -> None:
         super().__init__(daemon=True)
-        self.publisher = Publisher.connect(load_config(conf), dsn)
+        self.publisher = Publisher.connect(load_config(conf), dsn, retry=Retry(deadline=120))
         self.confirmed: list[tuple[float, int]] = []  # (when, id)
-        self.failures = 0
         self.halt = threading.Event()
 
     def run(self) -> None:
-        number = 0
         while not self.halt.is_set():
-            number += 1
-            while True:
-                try:
-                    wid = self.publisher.publish("a", b"x", message_id=f"call-{number}", dedup=True)
-                    break
-                except (DatabaseUnavailable, NotConfirmed):
-                    self.failures += 1
-                    time.sleep(0.05)
+            wid = self.publisher.publish("a", b"x")
             self.confirmed.append((time.monotonic(), wid))
 
     def stop(self) -> list[int]:
@@ -150,7 +142,7 @@ def test_kill_primary_under_load_loses_nothing(healthy: Cluster, tmp_path: Path)
         print(
             f"killed {old}; new primary after {watch.promoted_at - killed_at:.1f}s; "
             f"first confirm {share:.2f}s later; {len(confirmed)} confirmed, "
-            f"{producer.failures} failed tries, {reruns} stage re-runs; "
+            f"{reruns} stage re-runs; "
             f"quorum settings seen on primaries: {sorted(watch.seen)}"
         )
         assert not lost, f"{len(lost)} confirmed messages lost"
@@ -185,3 +177,81 @@ def test_one_standby_down_publishing_does_not_stall(healthy: Cluster, tmp_path: 
     finally:
         pipeline.close()
         cluster.start_node(standby)
+
+
+def _visible(dsn: str, message_id: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pepsi.workqueue WHERE message_id = %s", [message_id]
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _sync_rep_waiters(dsn: str) -> list[int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity"
+            " WHERE wait_event = 'SyncRep' AND application_name = 'pepsi-publish'"
+        ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def test_both_standbys_down_nothing_is_confirmed(healthy: Cluster, tmp_path: Path) -> None:
+    cluster = healthy
+    dsn = fresh_database(cluster, "nostandby")
+    conf = tmp_path / "pepsi.conf"
+    conf.write_text(TWO_STAGES)
+    leader = cluster.leader()
+    standbys = [n for n in NODES if n != leader]
+    for node in standbys:
+        cluster.kill(node)
+    publisher = Publisher.connect(load_config(conf), dsn)
+    try:
+        # A cancelled wait commits locally (PostgreSQL's WARNING): still NotConfirmed.
+        # (First: a commit waiting for a standby holds the NOTIFY queue's lock,
+        # so later publishes queue behind it on that lock, not on SyncRep.)
+        outcome: list[BaseException | int] = []
+
+        def waiting_publish() -> None:
+            try:
+                outcome.append(publisher.publish("a", b"x", message_id="cancelled", dedup=True))
+            except NotConfirmed as exc:
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=waiting_publish, daemon=True)
+        waiter.start()
+        pids = wait_until(lambda: _sync_rep_waiters(dsn), what="a publish waiting for a standby")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_cancel_backend(%s)", [pids[0]])
+        waiter.join(timeout=30)
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], NotConfirmed), f"a cancelled wait gave {outcome[0]!r}"
+
+        # A deadline ends the wait by closing the connection: NotConfirmed, and
+        # the row stays invisible (its commit still waits for a standby).
+        started = time.monotonic()
+        try:
+            publisher.publish("a", b"x", message_id="timed-out", dedup=True, confirm_timeout=2)
+        except NotConfirmed as exc:
+            print(f"after {time.monotonic() - started:.1f}s: {exc}")
+        else:
+            raise AssertionError("a publish was confirmed with both standbys down")
+        assert time.monotonic() - started < 10
+        assert _visible(dsn, "timed-out") == 0
+
+        # A standby comes back: the timed-out commit completes; publishing it
+        # again under its message id gives that one row, not a second.
+        cluster.start_node(standbys[0])
+        wait_until(lambda: _visible(dsn, "timed-out") == 1, timeout=60, what="the commit")
+        again = publisher.publish("a", b"x", message_id="timed-out", dedup=True, confirm_timeout=10)
+        assert _visible(dsn, "timed-out") == 1
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT workqueue_id FROM pepsi.workqueue WHERE message_id = 'timed-out'"
+            ).fetchone()
+        assert row is not None
+        assert row[0] == again
+    finally:
+        publisher.close()
+        for node in standbys:
+            cluster.start_node(node)
