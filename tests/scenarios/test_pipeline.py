@@ -45,7 +45,7 @@ def test_three_stages_every_message_exactly_once(pipeline: Pipeline) -> None:
     effects = effects_per_message(pipeline)
     expected = {(i, s): 1 for i in ids for s in ("a", "b", "c")}
     assert effects == expected
-    assert "stopped: 3600 claimed, 3600 completed" in dispatcher.log
+    assert "stopped: 3600 claimed, 3600 completed" in dispatcher.log, dispatcher.log
 
 
 def test_state_travels_and_bodies_are_read(pipeline: Pipeline) -> None:
