@@ -68,6 +68,7 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command("queue", "queue_cmd", "inspect and repair the queue"),
     Command("settings", "settings_cmd", "per-address overrides of stage options"),
+    Command("amqp", "amqp_cmd", "AMQP users, vhosts and permissions"),
     Command("top", "top_cmd", "live view: backlog, workers and rates per stage"),
     Command("systemd", "systemd_cmd", "print the dispatcher's systemd unit"),
     Command("telemetry", "telemetry_cmd", "turn feature telemetry on or off; show its status"),

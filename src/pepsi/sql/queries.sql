@@ -485,3 +485,92 @@ GROUP BY 1 ORDER BY 1;
 -- name: telemetry_notify_changed
 -- P-11: sent after [pepsi] SHARE_TELEMETRY is rewritten; the dispatcher replaces its workers.
 NOTIFY telemetry_changed;
+
+-- AMQP users, vhosts and permissions (issue 16; pepsi.admin.amqp_users, the listener).
+
+-- name: amqp_vhost_insert
+INSERT INTO pepsi.amqp_vhost (name) VALUES (%(name)s)
+ON CONFLICT (name) DO NOTHING
+RETURNING name, created;
+
+-- name: amqp_vhost_list
+SELECT v.name, v.created,
+       (SELECT count(*) FROM pepsi.amqp_queue q WHERE q.vhost = v.name),
+       (SELECT count(*) FROM pepsi.amqp_exchange e WHERE e.vhost = v.name)
+FROM pepsi.amqp_vhost v
+ORDER BY v.name;
+
+-- name: amqp_vhost_exists
+SELECT EXISTS (SELECT 1 FROM pepsi.amqp_vhost WHERE name = %(name)s);
+
+-- name: amqp_vhost_delete
+-- The vhost with everything in it: exchanges, queues, bindings and permissions
+-- go by cascade, the messages of its queues' stages here. One statement, one snapshot.
+WITH stages AS (
+    SELECT stage FROM pepsi.amqp_queue WHERE vhost = %(name)s
+), messages AS (
+    DELETE FROM pepsi.workqueue w WHERE w.stage IN (SELECT stage FROM stages) RETURNING 1
+), gone AS (
+    DELETE FROM pepsi.amqp_vhost WHERE name = %(name)s RETURNING name
+)
+SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM stages),
+       (SELECT count(*) FROM messages);
+
+-- name: amqp_user_insert
+INSERT INTO pepsi.amqp_user (name, password_hash, tags)
+VALUES (%(name)s, %(password_hash)s, %(tags)s)
+ON CONFLICT (name) DO NOTHING
+RETURNING name, tags, created, updated;
+
+-- name: amqp_user_get
+-- The listener's login: the stored hash and tags of one user (no row: no such user).
+SELECT name, password_hash, tags FROM pepsi.amqp_user WHERE name = %(name)s;
+
+-- name: amqp_user_list
+SELECT name, tags, created, updated FROM pepsi.amqp_user ORDER BY name;
+
+-- name: amqp_user_delete
+DELETE FROM pepsi.amqp_user WHERE name = %(name)s RETURNING name;
+
+-- name: amqp_user_set_password
+UPDATE pepsi.amqp_user SET password_hash = %(password_hash)s, updated = now()
+WHERE name = %(name)s
+RETURNING name;
+
+-- name: amqp_permission_set
+-- Whether the user exists, whether the vhost does, and whether the permission was
+-- written (only when both do). FOR KEY SHARE: neither can go before this commits.
+WITH u AS (
+    SELECT name FROM pepsi.amqp_user WHERE name = %(username)s FOR KEY SHARE
+), v AS (
+    SELECT name FROM pepsi.amqp_vhost WHERE name = %(vhost)s FOR KEY SHARE
+), put AS (
+    INSERT INTO pepsi.amqp_permission (username, vhost, configure, write, read)
+    SELECT u.name, v.name, %(configure)s, %(write)s, %(read)s FROM u CROSS JOIN v
+    ON CONFLICT (username, vhost) DO UPDATE
+    SET configure = EXCLUDED.configure, write = EXCLUDED.write, read = EXCLUDED.read,
+        updated = now()
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM u), EXISTS (SELECT 1 FROM v), EXISTS (SELECT 1 FROM put);
+
+-- name: amqp_permission_get
+-- The listener: one user's patterns in one vhost (no row: the vhost is closed to them).
+SELECT configure, write, read FROM pepsi.amqp_permission
+WHERE username = %(username)s AND vhost = %(vhost)s;
+
+-- name: amqp_permission_delete
+DELETE FROM pepsi.amqp_permission
+WHERE username = %(username)s AND vhost = %(vhost)s
+RETURNING username;
+
+-- name: amqp_permission_list
+SELECT username, vhost, configure, write, read FROM pepsi.amqp_permission
+WHERE (%(vhost)s::text IS NULL OR vhost = %(vhost)s)
+  AND (%(username)s::text IS NULL OR username = %(username)s)
+ORDER BY vhost, username;
+
+-- name: amqp_notify_changed
+-- After a user, vhost or permission changed: a JSON payload {"kind", "name"[, "vhost"]},
+-- so the listener can close the connections it no longer allows.
+SELECT pg_notify('amqp_changed', %(payload)s);
