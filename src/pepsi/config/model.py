@@ -89,6 +89,18 @@ class IngressOptions:
 
 
 @dataclass(frozen=True)
+class AmqpOptions:
+    """The dispatcher's AMQP 0-9-1 listener (issue 16; docs/amqp.md#connecting)."""
+
+    listen: tuple[str, int] | None = None  # off by default
+    heartbeat: int = 60  # seconds offered in connection.tune (RabbitMQ's default)
+    frame_max: int = 131072  # RabbitMQ's default
+    channel_max: int = 2047  # RabbitMQ's default
+    handshake_timeout: float = 10.0  # accept to connection.open-ok
+    max_message_size: int = 128 * MIB  # RabbitMQ's max_message_size default
+
+
+@dataclass(frozen=True)
 class BouncerOptions:
     sink: str | None = None  # a stage name; None: the table pepsi.dead_letter
     interval: float = 30.0
@@ -137,6 +149,7 @@ class Config:
     postgres: PostgresOptions = field(default_factory=PostgresOptions)
     ingress: IngressOptions = field(default_factory=IngressOptions)
     bouncer: BouncerOptions = field(default_factory=BouncerOptions)
+    amqp: AmqpOptions = field(default_factory=AmqpOptions)
     stages: Mapping[str, StageConfig] = field(default_factory=lambda: MappingProxyType({}))
     warnings: tuple[str, ...] = ()
 

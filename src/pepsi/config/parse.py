@@ -21,6 +21,7 @@ from pepsi.config.model import (
     MIB,
     OVERLAY_ORIGIN,
     STAGE_PREFIX,
+    AmqpOptions,
     BouncerOptions,
     Config,
     DispatchOptions,
@@ -138,7 +139,7 @@ def merge_overlay(raw: RawSections, overlay: Iterable[tuple[str, str, str | None
     """
     merged = {section: dict(keys) for section, keys in raw.items()}
     for section, key, value in overlay:
-        if section == "pepsi-dispatch":
+        if section in ("pepsi-dispatch", "pepsi-amqp"):
             raise ConfigError(
                 "cannot be overridden in the database (not reloadable)",
                 file=OVERLAY_ORIGIN,
@@ -213,12 +214,21 @@ STAGE_KEYS: Spec = {
     "OVERFLOW": ("overflow", v.overflow),
     "TTL": ("ttl", v.duration()),
 }
+AMQP_KEYS: Spec = {
+    "LISTEN": ("listen", v.listen_address),
+    "HEARTBEAT": ("heartbeat", v.integer(0, 65535)),
+    "FRAME_MAX": ("frame_max", v.integer(4096, 0xFFFFFFFF)),
+    "CHANNEL_MAX": ("channel_max", v.integer(1, 65535)),
+    "HANDSHAKE_TIMEOUT": ("handshake_timeout", v.duration(0.1)),
+    "MAX_MESSAGE_SIZE": ("max_message_size", v.size(1, 512 * MIB)),
+}
 SECTIONS: Mapping[str, Spec] = {
     "pepsi": PEPSI_KEYS,
     "pepsi-dispatch": DISPATCH_KEYS,
     "pepsi-postgres": POSTGRES_KEYS,
     "pepsi-ingress": INGRESS_KEYS,
     "pepsi-failure-bouncer": BOUNCER_KEYS,
+    "pepsi-amqp": AMQP_KEYS,
 }
 
 
@@ -259,7 +269,7 @@ def parse_config(raw: RawSections, path: Path | None = None) -> Config:
             origin = next(iter(keys.values())).origin if keys else file
             raise ConfigError(
                 "unknown section (expected [pepsi], [pepsi-dispatch], [pepsi-postgres], "
-                "[pepsi-ingress], [pepsi-failure-bouncer] or [stage-NAME])",
+                "[pepsi-ingress], [pepsi-failure-bouncer], [pepsi-amqp] or [stage-NAME])",
                 file=origin,
                 section=section,
             )
@@ -301,6 +311,7 @@ def parse_config(raw: RawSections, path: Path | None = None) -> Config:
         postgres=postgres,
         ingress=IngressOptions(**parsed.get("pepsi-ingress", {})),
         bouncer=bouncer,
+        amqp=AmqpOptions(**parsed.get("pepsi-amqp", {})),
         stages=MappingProxyType(stages),
         warnings=tuple(warnings),
     )

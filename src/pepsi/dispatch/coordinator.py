@@ -25,6 +25,7 @@ from typing import Any
 import psycopg
 
 from pepsi.admin.horizon import Probe
+from pepsi.amqp import server as amqp_server
 from pepsi.config import Config
 from pepsi.dispatch import decisions, fairness, reload
 from pepsi.dispatch.claimer import Claimer
@@ -97,6 +98,7 @@ class Dispatcher:
             clock=clock,
         )
         self.vacuum = Vacuum(dsn, options.vacuum_after, config.postgres.connect_timeout)
+        self.amqp: amqp_server.Server | None = None  # [pepsi-amqp] LISTEN; set_blocked hook
 
     # ---- start and stop ---------------------------------------------------
 
@@ -113,6 +115,7 @@ class Dispatcher:
         try:
             await self.session.start_checks(list(self.supervisor.pools))
             metrics = self._serve_metrics()
+            self.amqp = await self._serve_amqp()
             listener = loop.create_task(self.listener.run())
             try:
                 await self._run()
@@ -121,6 +124,8 @@ class Dispatcher:
                 await self._shutdown()
                 await self.vacuum.close()
         finally:
+            if self.amqp is not None:
+                await self.amqp.stop()
             if metrics is not None:
                 metrics.close()
             await self.session.close()
@@ -182,6 +187,29 @@ class Dispatcher:
                 key="METRICS_ADDRESS",
             ) from None
         log.info("metrics at %s", server.url)
+        return server
+
+    async def _serve_amqp(self) -> amqp_server.Server | None:
+        """The AMQP listener ([pepsi-amqp] LISTEN), served on this loop; None when off."""
+        options = self.config.amqp
+        if options.listen is None:
+            return None
+        try:
+            server = await amqp_server.serve(
+                options.listen,
+                amqp_server.ConnectionOptions(options),
+                self.dsn,
+                self.config.postgres.connect_timeout,
+            )
+        except OSError as exc:
+            host, port = options.listen
+            raise ConfigError(
+                f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                section="pepsi-amqp",
+                key="LISTEN",
+            ) from None
+        host, port = server.address
+        log.info("amqp listening on %s:%d", f"[{host}]" if ":" in host else host, port)
         return server
 
     def _metrics_snapshot(self) -> Snapshot:
@@ -282,8 +310,8 @@ class Dispatcher:
         changes = reload.diff(self.config.stages, config.stages)
         if config.dispatch != self.config.dispatch:
             log.warning("[pepsi-dispatch] changed: it takes effect at the next start")
-        # [pepsi-dispatch] is not reloaded: the services were built from it
-        self.config = replace(config, dispatch=self.config.dispatch)
+        # [pepsi-dispatch] and [pepsi-amqp] are not reloaded: the services were built from them
+        self.config = replace(config, dispatch=self.config.dispatch, amqp=self.config.amqp)
         self.sweeper.options = replace(self.sweeper.options, stages=tuple(config.stages.values()))
         retiring = self.supervisor.reconfigure(self.config)
         await self.supervisor.terminate(retiring)  # nothing runs the old table after this

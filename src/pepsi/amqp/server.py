@@ -1,0 +1,192 @@
+"""The AMQP 0-9-1 listener the dispatcher serves on `[pepsi-amqp] LISTEN` (issue 16).
+
+`Server` accepts connections (`connection.Connection`, one per client), keeps the
+open ones for `set_blocked` (the dispatcher's back-pressure hook) and closes
+them all at `stop` (320 CONNECTION_FORCED, as RabbitMQ at shutdown).
+`Catalogue` is the `Gatekeeper` over PostgreSQL: users and permissions are read
+on one connection of its own (application name `pepsi-amqp`), opened on first
+use and again after a loss, so the loop never waits on the claim connection;
+the scrypt check runs on a thread, a few at a time (each takes ~16 MiB).
+
+A connection's failure is logged and ends that connection; the server goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import psycopg
+
+from pepsi.amqp import replies
+from pepsi.amqp.connection import Broker, Connection, ConnectionOptions, NoBroker
+from pepsi.amqp.permissions import Credentials, Permission, can_open_vhost, login_refusal
+from pepsi.db.connect import connect_async
+from pepsi.db.queries import query
+from pepsi.errors import PepsiError, one_line
+
+log = logging.getLogger("pepsi.amqp")
+
+APPLICATION_NAME = "pepsi-amqp"
+VERIFY_CONCURRENCY = 4  # password checks at once (memory: 16 MiB each)
+STOP_GRACE = 5.0  # at stop: how long connections get to finish their current frame
+
+_OPEN_CLASS, _OPEN_METHOD = 10, 40  # connection.open, named in its 530 refusals
+
+
+class CatalogueUnavailable(replies.AMQPConnectionError):
+    """The user database cannot be read: the login cannot be decided (541)."""
+
+
+class Catalogue:
+    """Logins and vhost access read from pepsi.amqp_user / amqp_vhost / amqp_permission."""
+
+    def __init__(self, dsn: str, connect_timeout: float) -> None:
+        self.dsn = dsn
+        self.connect_timeout = connect_timeout
+        self._conn: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
+        self._lock = asyncio.Lock()  # one statement at a time on the connection
+        self._verify = asyncio.Semaphore(VERIFY_CONCURRENCY)
+
+    async def _fetch(self, name: str, params: dict[str, str]) -> tuple[Any, ...] | None:
+        async with self._lock:
+            for attempt in (1, 2):  # a connection lost since the last login: one retry
+                try:
+                    if self._conn is None or self._conn.closed:
+                        self._conn = await connect_async(
+                            self.dsn,
+                            application_name=APPLICATION_NAME,
+                            timeout=self.connect_timeout,
+                        )
+                    cursor = await self._conn.execute(query(name), params)
+                    return await cursor.fetchone()
+                except (psycopg.OperationalError, PepsiError) as error:
+                    await self._drop()
+                    if attempt == 2:
+                        log.error("amqp: cannot read the user database: %s", one_line(error))
+                        raise CatalogueUnavailable(
+                            replies.INTERNAL_ERROR, "cannot read the user database"
+                        ) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):  # already gone
+                await conn.close()
+
+    async def login(self, credentials: Credentials, peer: str | None) -> str | None:
+        row = await self._fetch("amqp_user_get", {"name": credentials.username})
+        stored = None if row is None else str(row[1])
+        async with self._verify:
+            return await asyncio.to_thread(login_refusal, credentials, stored, peer)
+
+    async def vhost_permission(self, username: str, vhost: str) -> Permission:
+        row = await self._fetch("amqp_vhost_exists", {"name": vhost})
+        if not (row and row[0]):
+            raise replies.AMQPConnectionError(
+                replies.NOT_ALLOWED, f"vhost {vhost} not found", _OPEN_CLASS, _OPEN_METHOD
+            )
+        row = await self._fetch("amqp_permission_get", {"username": username, "vhost": vhost})
+        permission = None if row is None else Permission(str(row[0]), str(row[1]), str(row[2]))
+        if permission is None or not can_open_vhost(permission):
+            raise replies.AMQPConnectionError(
+                replies.NOT_ALLOWED,
+                f"access to vhost '{vhost}' refused for user '{username}'",
+                _OPEN_CLASS,
+                _OPEN_METHOD,
+            )
+        return permission
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self._drop()
+
+
+class Server:
+    """The listening socket and its connections."""
+
+    def __init__(
+        self,
+        options: ConnectionOptions,
+        catalogue: Catalogue,
+        broker: Broker | None = None,
+    ) -> None:
+        self.options = options
+        self.catalogue = catalogue
+        self.broker: Broker = broker if broker is not None else NoBroker()
+        self.connections: set[Connection] = set()  # every accepted one, until it is gone
+        self.open: set[Connection] = set()  # those past connection.open-ok
+        self.blocked_reason: str | None = None
+        self._server: asyncio.Server | None = None
+
+    def _connection(self) -> Connection:
+        conn = Connection(
+            self.options,
+            self.catalogue,
+            self.broker,
+            opened=self.open.add,
+            gone=self._gone,
+            blocked=lambda: self.blocked_reason,
+        )
+        self.connections.add(conn)
+        return conn
+
+    def _gone(self, conn: Connection) -> None:
+        self.connections.discard(conn)
+        self.open.discard(conn)
+
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._connection, host, port, reuse_address=True)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The first bound address (the port chosen for port 0)."""
+        assert self._server is not None
+        assert self._server.sockets
+        name = self._server.sockets[0].getsockname()
+        return str(name[0]), int(name[1])
+
+    def set_blocked(self, reason: str | None) -> None:
+        """Back-pressure starts (a reason) or ends (None): connection.blocked / unblocked
+        to every open connection whose client announced the capability."""
+        self.blocked_reason = reason
+        for conn in list(self.open):
+            conn.set_blocked(reason)
+
+    async def stop(self) -> None:
+        """Stop accepting, close every connection (320), wait briefly for them to end."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for conn in list(self.connections):
+            conn.shutdown()
+        tasks = [c.task for c in list(self.connections) if c.task is not None and not c.task.done()]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=STOP_GRACE)
+            if pending:  # a client that does not read what is still buffered for it
+                for conn in list(self.connections):
+                    conn.abort()
+                _, pending = await asyncio.wait(pending, timeout=STOP_GRACE)
+            for task in pending:
+                task.cancel()
+        await self.catalogue.close()
+
+
+async def serve(
+    address: tuple[str, int],
+    options: ConnectionOptions,
+    dsn: str,
+    connect_timeout: float,
+    broker: Broker | None = None,
+) -> Server:
+    """A started server (OSError if the address cannot be bound)."""
+    server = Server(options, Catalogue(dsn, connect_timeout), broker)
+    await server.start(*address)
+    return server
+
+
+__all__ = ["Catalogue", "ConnectionOptions", "Server", "serve"]

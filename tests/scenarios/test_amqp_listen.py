@@ -1,0 +1,57 @@
+"""A real dispatcher serving AMQP on `[pepsi-amqp] LISTEN`, reached with pika."""
+
+from __future__ import annotations
+
+import socket
+
+import pika
+import pytest
+
+from pepsi.admin import amqp_users
+from tests.scenarios.conftest import Pipeline, wait_until
+
+STAGES = "[stage-a]\nHANDLER = tests.stages:noop\n"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_the_dispatcher_serves_amqp_on_listen(pipeline: Pipeline) -> None:
+    amqp_users.add_user(pipeline.db, "app", "app-secret")
+    amqp_users.set_permissions(pipeline.db, "app", ".*", ".*", ".*")
+    port = free_port()
+    pipeline.configure(STAGES + f"[pepsi-amqp]\nLISTEN = 127.0.0.1:{port}\nHEARTBEAT = 5\n")
+    dispatcher = pipeline.start()
+    wait_until(lambda: f"amqp listening on 127.0.0.1:{port}" in dispatcher.log, what="the listener")
+    parameters = pika.ConnectionParameters(
+        "127.0.0.1", port, credentials=pika.PlainCredentials("app", "app-secret")
+    )
+    connection = pika.BlockingConnection(parameters)
+    channel = connection.channel()
+    assert channel.is_open
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="540"):
+        channel.queue_declare("orders")  # the broker's part comes next
+    assert connection.channel().is_open
+    # the claim loop is unaffected: a message still goes through the pipeline
+    pipeline.publish("a")
+    wait_until(pipeline.settled, what="the message to finish")
+    connection.close()
+    assert dispatcher.stop() == 0
+    assert "Traceback" not in dispatcher.log
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_a_listen_address_in_use_is_a_one_line_configuration_error(pipeline: Pipeline) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        pipeline.configure(STAGES + f"[pepsi-amqp]\nLISTEN = 127.0.0.1:{port}\n")
+        dispatcher = pipeline.start()
+        assert dispatcher.proc.wait(timeout=30) == 1
+    assert f"[pepsi-amqp] LISTEN: cannot listen on 127.0.0.1:{port}" in dispatcher.log
+    assert "Traceback" not in dispatcher.log
