@@ -32,9 +32,16 @@ def test_the_dispatcher_serves_amqp_on_listen(pipeline: Pipeline) -> None:
     connection = pika.BlockingConnection(parameters)
     channel = connection.channel()
     assert channel.is_open
+    channel.queue_declare("orders")  # the broker: a queue is a stage
+    channel.confirm_delivery()
+    channel.basic_publish("", "orders", b"confirmed")  # acked after its commit
+    stored = pipeline.db.execute(
+        "SELECT count(*) FROM pepsi.workqueue WHERE stage = 'amqp:/:orders'"
+    ).fetchone()
+    assert stored == (1,)
     with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="540"):
-        channel.queue_declare("orders")  # the broker's part comes next
-    assert connection.channel().is_open
+        channel.basic_get("orders")  # consuming comes next
+    assert connection.channel().queue_delete("orders").method.message_count == 1
     # the claim loop is unaffected: a message still goes through the pipeline
     pipeline.publish("a")
     wait_until(pipeline.settled, what="the message to finish")

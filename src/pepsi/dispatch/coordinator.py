@@ -26,6 +26,7 @@ import psycopg
 
 from pepsi.admin.horizon import Probe
 from pepsi.amqp import server as amqp_server
+from pepsi.amqp.broker import Broker as AmqpBroker
 from pepsi.config import Config
 from pepsi.dispatch import decisions, fairness, reload
 from pepsi.dispatch.claimer import Claimer
@@ -99,6 +100,7 @@ class Dispatcher:
         )
         self.vacuum = Vacuum(dsn, options.vacuum_after, config.postgres.connect_timeout)
         self.amqp: amqp_server.Server | None = None  # [pepsi-amqp] LISTEN; set_blocked hook
+        self.amqp_broker: AmqpBroker | None = None
 
     # ---- start and stop ---------------------------------------------------
 
@@ -126,6 +128,8 @@ class Dispatcher:
         finally:
             if self.amqp is not None:
                 await self.amqp.stop()
+            if self.amqp_broker is not None:
+                await self.amqp_broker.close()  # commits what the listener queued
             if metrics is not None:
                 metrics.close()
             await self.session.close()
@@ -194,12 +198,14 @@ class Dispatcher:
         options = self.config.amqp
         if options.listen is None:
             return None
+        self.amqp_broker = AmqpBroker(self.dsn, self.config.postgres.connect_timeout)
         try:
             server = await amqp_server.serve(
                 options.listen,
                 amqp_server.ConnectionOptions(options),
                 self.dsn,
                 self.config.postgres.connect_timeout,
+                self.amqp_broker,
             )
         except OSError as exc:
             host, port = options.listen

@@ -574,3 +574,84 @@ ORDER BY vhost, username;
 -- After a user, vhost or permission changed: a JSON payload {"kind", "name"[, "vhost"]},
 -- so the listener can close the connections it no longer allows.
 SELECT pg_notify('amqp_changed', %(payload)s);
+
+-- name: amqp_exchange_list
+-- The broker's view of one vhost (pepsi.amqp.catalogue), read again after each change.
+SELECT name, type, durable, auto_delete, internal, arguments
+FROM pepsi.amqp_exchange WHERE vhost = %(vhost)s;
+
+-- name: amqp_queue_list
+SELECT name, stage, durable, exclusive, auto_delete, arguments
+FROM pepsi.amqp_queue WHERE vhost = %(vhost)s;
+
+-- name: amqp_binding_list
+SELECT source, destination, destination_kind, routing_key, arguments
+FROM pepsi.amqp_binding WHERE vhost = %(vhost)s;
+
+-- name: amqp_exchange_insert
+INSERT INTO pepsi.amqp_exchange (vhost, name, type, durable, auto_delete, internal, arguments)
+VALUES (%(vhost)s, %(name)s, %(type)s, %(durable)s, %(auto_delete)s, %(internal)s,
+        %(arguments)s)
+ON CONFLICT (vhost, name) DO NOTHING;
+
+-- name: amqp_exchange_delete
+-- Its bindings, as source or destination, go by cascade.
+DELETE FROM pepsi.amqp_exchange WHERE vhost = %(vhost)s AND name = %(name)s;
+
+-- name: amqp_exchange_auto_delete
+-- RabbitMQ's auto-delete: among the exchanges that just lost a binding, those flagged
+-- auto_delete that are the source of no binding any more.
+DELETE FROM pepsi.amqp_exchange e
+WHERE e.vhost = %(vhost)s AND e.name = ANY(%(names)s) AND e.auto_delete
+  AND NOT EXISTS (SELECT 1 FROM pepsi.amqp_binding b
+                  WHERE b.vhost = e.vhost AND b.source = e.name)
+RETURNING e.name;
+
+-- name: amqp_binding_insert
+INSERT INTO pepsi.amqp_binding
+    (vhost, source, destination, destination_kind, routing_key, arguments)
+VALUES (%(vhost)s, %(source)s, %(destination)s, %(destination_kind)s, %(routing_key)s,
+        %(arguments)s)
+ON CONFLICT DO NOTHING;
+
+-- name: amqp_binding_delete
+DELETE FROM pepsi.amqp_binding
+WHERE vhost = %(vhost)s AND source = %(source)s AND destination = %(destination)s
+  AND destination_kind = %(destination_kind)s AND routing_key = %(routing_key)s
+  AND arguments = %(arguments)s;
+
+-- name: amqp_queue_insert
+-- A queue is a stage: the generated column names it.
+INSERT INTO pepsi.amqp_queue (vhost, name, durable, exclusive, auto_delete, arguments)
+VALUES (%(vhost)s, %(name)s, %(durable)s, %(exclusive)s, %(auto_delete)s, %(arguments)s)
+ON CONFLICT (vhost, name) DO NOTHING
+RETURNING stage;
+
+-- name: amqp_queue_message_count
+-- queue.declare-ok's message_count: the stage's ready (pending) rows.
+SELECT count(*) FROM pepsi.workqueue WHERE stage = %(stage)s AND status = 'pending';
+
+-- name: amqp_queue_purge
+WITH gone AS (
+    DELETE FROM pepsi.workqueue WHERE stage = %(stage)s AND status = 'pending' RETURNING 1
+)
+SELECT count(*) FROM gone;
+
+-- name: amqp_queue_delete
+-- The queue (its bindings by cascade) and every row of its stage, in one statement.
+WITH q AS (
+    DELETE FROM pepsi.amqp_queue WHERE vhost = %(vhost)s AND name = %(name)s RETURNING stage
+), gone AS (
+    DELETE FROM pepsi.workqueue w WHERE w.stage IN (SELECT stage FROM q) RETURNING 1
+)
+SELECT count(*) FROM gone;
+
+-- name: amqp_queue_delete_orphaned_exclusive
+-- At the broker's start: exclusive queues belonged to connections of an earlier run
+-- (one dispatcher per database, P-1), so they and their rows go.
+WITH q AS (
+    DELETE FROM pepsi.amqp_queue WHERE exclusive RETURNING stage
+), gone AS (
+    DELETE FROM pepsi.workqueue w WHERE w.stage IN (SELECT stage FROM q) RETURNING 1
+)
+SELECT (SELECT count(*) FROM q), (SELECT count(*) FROM gone);

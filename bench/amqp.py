@@ -1,0 +1,284 @@
+"""AMQP publish throughput: pika with a confirm window, Pepsi next to RabbitMQ (issue 16).
+
+    .venv/bin/python bench/amqp.py [--messages 20000] [--window 1000] [--reps 3]
+
+Persistent 1 KB messages published with pika's asynchronous SelectConnection,
+at most --window unconfirmed (acks with multiple=True free the window), to one
+queue through the default exchange; the rate counts from the first publish to
+the last ack. Against:
+
+- Pepsi: the listener with its broker in a process of its own (so that client
+  and server do not share one interpreter), on a scratch database
+  `pepsi_bench_amqp` of the embedded (or $PEPSI_DSN) server; a classic queue
+  (every Pepsi queue is a durable stage);
+- RabbitMQ, when `rabbitmq-server` is installed and starts: a node of its own
+  in a temporary directory on a free port, a quorum queue. Nothing is installed;
+  RabbitMQ is skipped when absent.
+
+Consuming is not measured yet (the broker's consumers come next). Runs
+alternate between the brokers; the median counts. Prints one JSON document
+and a summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pika
+from common import scratch_database
+from pika.adapters.select_connection import SelectConnection
+
+BODY = b"x" * 1024
+USER, PASSWORD = "bench", "bench-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_port(port: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+# -- the publisher -------------------------------------------------------------------------
+
+
+class WindowedPublisher:
+    """Publish `count` messages, at most `window` unconfirmed; time first publish to last ack."""
+
+    def __init__(self, params: pika.ConnectionParameters, queue: str, arguments: dict[str, Any],
+                 count: int, window: int) -> None:  # fmt: skip
+        self.params, self.queue, self.arguments = params, queue, arguments
+        self.count, self.window = count, window
+        self.sent = self.confirmed = self.nacked = 0
+        self.outstanding: set[int] = set()
+        self.started = self.finished = 0.0
+        self.error: str | None = None
+        self.props = pika.BasicProperties(delivery_mode=2, content_type="application/octet-stream")
+
+    def run(self) -> dict[str, Any]:
+        self.connection = SelectConnection(
+            self.params, on_open_callback=self._opened, on_open_error_callback=self._failed
+        )
+        self.connection.ioloop.start()
+        if self.error:
+            raise RuntimeError(self.error)
+        seconds = self.finished - self.started
+        return {"messages": self.count, "seconds": round(seconds, 3),
+                "per_s": round(self.count / seconds, 1), "nacked": self.nacked}  # fmt: skip
+
+    def _failed(self, _: Any, error: Any) -> None:
+        self.error = f"connection failed: {error}"
+        self.connection.ioloop.stop()
+
+    def _opened(self, connection: Any) -> None:
+        connection.channel(on_open_callback=self._channel)
+
+    def _channel(self, channel: Any) -> None:
+        self.channel = channel
+        channel.add_on_close_callback(self._channel_closed)
+        channel.queue_declare(
+            self.queue, durable=True, arguments=self.arguments, callback=self._declared
+        )
+
+    def _declared(self, _: Any) -> None:
+        self.channel.queue_purge(self.queue, self._purged)
+
+    def _purged(self, _: Any) -> None:
+        self.channel.confirm_delivery(self._confirmed, callback=self._selected)
+
+    def _selected(self, _: Any) -> None:
+        self.started = time.perf_counter()
+        self._fill()
+
+    def _fill(self) -> None:
+        while self.sent < self.count and len(self.outstanding) < self.window:
+            self.channel.basic_publish("", self.queue, BODY, self.props)
+            self.sent += 1
+            self.outstanding.add(self.sent)
+
+    def _confirmed(self, frame: Any) -> None:
+        method = frame.method
+        tag = method.delivery_tag
+        done = {t for t in self.outstanding if t <= tag} if method.multiple else {tag}
+        self.outstanding -= done
+        if method.NAME == "Basic.Nack":
+            self.nacked += len(done)
+        self.confirmed += len(done)
+        if self.confirmed >= self.count:
+            self.finished = time.perf_counter()
+            self.channel.queue_delete(self.queue, callback=lambda _: self.connection.close())
+            self.connection.ioloop.call_later(5, self.connection.ioloop.stop)
+            return
+        self._fill()
+
+    def _channel_closed(self, _: Any, reason: Any) -> None:
+        if self.confirmed < self.count:
+            self.error = f"channel closed: {reason}"
+        self.connection.ioloop.stop()
+
+
+# -- the brokers ---------------------------------------------------------------------------
+
+
+def serve_pepsi(dsn: str, port: int) -> None:
+    """`--serve`: the listener and broker, until killed."""
+    from pepsi.amqp.broker import Broker  # noqa: PLC0415
+    from pepsi.amqp.connection import ConnectionOptions  # noqa: PLC0415
+    from pepsi.amqp.server import serve  # noqa: PLC0415
+
+    async def main() -> None:
+        broker = Broker(dsn, 10.0)
+        server = await serve(("127.0.0.1", port), ConnectionOptions(), dsn, 10.0, broker)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await server.stop()
+            await broker.close()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
+
+
+@contextlib.contextmanager
+def pepsi_broker() -> Iterator[pika.ConnectionParameters]:
+    import psycopg  # noqa: PLC0415
+
+    from pepsi.admin import amqp_users  # noqa: PLC0415
+
+    dsn = scratch_database("pepsi_bench_amqp")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        amqp_users.add_user(conn, USER, PASSWORD)
+        amqp_users.set_permissions(conn, USER, ".*", ".*", ".*")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", dsn, str(port)])
+    try:
+        if not wait_port(port, 30):
+            raise RuntimeError("the Pepsi listener did not start")
+        yield pika.ConnectionParameters(
+            "127.0.0.1", port, credentials=pika.PlainCredentials(USER, PASSWORD)
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def rabbitmq_broker() -> Iterator[pika.ConnectionParameters | None]:
+    """A throwaway RabbitMQ node, or None when it is not installed or does not start."""
+    server = shutil.which("rabbitmq-server") or (
+        "/usr/sbin/rabbitmq-server" if Path("/usr/sbin/rabbitmq-server").exists() else None
+    )
+    if server is None:
+        yield None
+        return
+    ctl = str(Path(server).with_name("rabbitmqctl"))
+    with tempfile.TemporaryDirectory(prefix="pepsi-bench-rabbit-") as tmp:
+        port, dist = free_port(), free_port()
+        env = {
+            **os.environ,
+            "RABBITMQ_NODENAME": f"pepsibench{port}@localhost",
+            "RABBITMQ_NODE_PORT": str(port),
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_DIST_PORT": str(dist),
+            "RABBITMQ_MNESIA_BASE": f"{tmp}/mnesia",
+            "RABBITMQ_LOG_BASE": f"{tmp}/log",
+            "RABBITMQ_PID_FILE": f"{tmp}/pid",
+            "RABBITMQ_ENABLED_PLUGINS_FILE": f"{tmp}/enabled_plugins",
+            "HOME": tmp,
+        }
+        for sub in ("mnesia", "log"):
+            Path(tmp, sub).mkdir()
+        Path(f"{tmp}/enabled_plugins").write_text("[].\n")
+        if os.geteuid() == 0:  # Debian's wrapper runs the node as the rabbitmq user
+            with contextlib.suppress(LookupError, OSError):
+                for path in (Path(tmp), *Path(tmp).rglob("*")):
+                    shutil.chown(path, "rabbitmq", "rabbitmq")
+        proc = subprocess.Popen([server], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            if not wait_port(port, 90):
+                print("rabbitmq-server did not start: skipped", file=sys.stderr)
+                yield None
+                return
+            yield pika.ConnectionParameters(
+                "127.0.0.1", port, credentials=pika.PlainCredentials("guest", "guest")
+            )
+        finally:
+            subprocess.run([ctl, "-n", env["RABBITMQ_NODENAME"], "stop"], env=env,
+                           capture_output=True, timeout=60, check=False)  # fmt: skip
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--serve":
+        serve_pepsi(sys.argv[2], int(sys.argv[3]))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=20_000)
+    parser.add_argument("--window", type=int, default=1000)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    runs: dict[str, list[dict[str, Any]]] = {"pepsi": [], "rabbitmq_quorum": []}
+    with pepsi_broker() as pepsi, rabbitmq_broker() as rabbit:
+        for _ in range(args.reps):
+            runs["pepsi"].append(
+                WindowedPublisher(pepsi, "bench", {}, args.messages, args.window).run()
+            )
+            if rabbit is not None:
+                quorum = {"x-queue-type": "quorum"}
+                runs["rabbitmq_quorum"].append(
+                    WindowedPublisher(rabbit, "bench", quorum, args.messages, args.window).run()
+                )
+    result: dict[str, Any] = {
+        "benchmark": "amqp_publish",
+        "messages": args.messages,
+        "window": args.window,
+        "body_bytes": len(BODY),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
+    for name, measured in runs.items():
+        if measured:
+            result[name] = {
+                "per_s": statistics.median(r["per_s"] for r in measured),
+                "all_per_s": sorted(r["per_s"] for r in measured),
+                "nacked": sum(r["nacked"] for r in measured),
+            }
+        else:
+            result[name] = None
+    print(json.dumps(result, indent=2))
+    pepsi_rate = result["pepsi"]["per_s"]
+    rabbit_rate = result["rabbitmq_quorum"]["per_s"] if result["rabbitmq_quorum"] else None
+    tail = f", RabbitMQ quorum {rabbit_rate:.0f}/s" if rabbit_rate else ", RabbitMQ skipped"
+    print(f"amqp publish, window {args.window}: Pepsi {pepsi_rate:.0f}/s{tail}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,748 @@
+"""The broker behind the listener: exchanges, queues, bindings and publishing (issue 16).
+
+`Broker` is what `Server(broker=...)` asks for a `ChannelHandler` per opened
+channel (the seam in connection.py). It owns:
+
+- a `catalogue.Catalogue`: exchanges, queues and bindings in PostgreSQL, a cached
+  view and `RoutingTable` per vhost;
+- a `publisher.Batcher`: every publish of every channel becomes rows of
+  `pepsi.workqueue`, many publishes per commit; confirms are sent when the batch
+  commits, never before (A-2);
+- the exclusive queues of each open connection, deleted when it ends.
+
+An AMQP queue is a stage (`amqp_queue.stage`, 'amqp:VHOST:QUEUE'); a publish
+writes one row per destination queue with the content header's property octets
+as received in `workqueue_body.header` and the body in `workqueue_body.body`.
+
+Consuming (basic.qos/consume/get/ack/nack/reject/recover/cancel) is not here yet:
+those methods still answer 540 from the base class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import ipaddress
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from pamqp import base, commands
+
+from pepsi.amqp import framing, replies
+from pepsi.amqp.arguments import (
+    MAX_EXPIRY_MS,
+    QueueDeclaration,
+    check_queue_properties,
+    check_queue_redeclare,
+    declare_queue_name,
+    parse_queue_arguments,
+    resource,
+)
+from pepsi.amqp.catalogue import Catalogue, Queue, VhostView
+from pepsi.amqp.connection import Channel, ChannelHandler, Connection, close_for
+from pepsi.amqp.permissions import Access, allowed, exchange_resource
+from pepsi.amqp.publisher import Batcher, Item, Unit, group_confirms
+from pepsi.amqp.replies import (
+    ACCESS_REFUSED,
+    INTERNAL_ERROR,
+    NOT_FOUND,
+    NOT_IMPLEMENTED,
+    PRECONDITION_FAILED,
+    RESOURCE_LOCKED,
+    AMQPConnectionError,
+    AMQPError,
+    ChannelError,
+)
+from pepsi.amqp.routing import (
+    EXCHANGE,
+    QUEUE,
+    Binding,
+    Exchange,
+    check_binding,
+    check_exchange_declare,
+    check_exchange_delete,
+)
+from pepsi.publishing.message import Row
+
+log = logging.getLogger("pepsi.amqp")
+
+MAX_TEXT: Final = 4096  # a property longer than this is not copied into its column
+ROUTING_CACHE: Final = 1024  # (exchange, routing key) JSON texts kept per channel
+
+
+# --- pure helpers ----------------------------------------------------------------------
+
+
+def refused(access: Access, kind: str, name: str, vhost: str, user: str) -> ChannelError:
+    """RabbitMQ's 403 for a missing permission."""
+    return ChannelError(
+        ACCESS_REFUSED,
+        f"access to {resource(kind, name, vhost)} refused for user '{user}'",
+    )
+
+
+def parse_expiration(value: object) -> int | None:
+    """The `expiration` property in milliseconds (None: absent); 406 as RabbitMQ refuses it."""
+    if value is None:
+        return None
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    try:
+        number = int(text, 10)
+    except ValueError:
+        raise ChannelError(
+            PRECONDITION_FAILED, f"invalid expiration '{text}': no_integer"
+        ) from None
+    if number < 0:
+        raise ChannelError(
+            PRECONDITION_FAILED, f"invalid expiration '{text}': {{value_negative,{number}}}"
+        )
+    if number > MAX_EXPIRY_MS:
+        raise ChannelError(
+            PRECONDITION_FAILED, f"invalid expiration '{text}': {{value_too_large,{number}}}"
+        )
+    return number
+
+
+def column_text(value: object) -> str | None:
+    """A property as a text column: a str PostgreSQL can store, not too long; else None.
+
+    The property stays in the raw header either way; the column is for SQL.
+    """
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    if not isinstance(value, str) or "\x00" in value or len(value) > MAX_TEXT:
+        return None
+    return value
+
+
+def column_peer(peer: str | None) -> str | None:
+    if peer is None:
+        return None
+    try:
+        return str(ipaddress.ip_address(peer))
+    except ValueError:
+        return None
+
+
+def routing_json(exchange: str, routing_key: str) -> str:
+    """What a consumer needs back for basic.deliver, in `workqueue.properties`."""
+    return json.dumps({"exchange": exchange, "routing_key": routing_key}).replace("\\u0000", "")
+
+
+# The content header's property flags (class basic), high bit first, and what each holds:
+# a shortstr ("s"), a table ("t", a long length then the items), or a fixed size in octets.
+_PROPERTY_LAYOUT: Final = (
+    ("content_type", "s"), ("content_encoding", "s"), ("headers", "t"), ("delivery_mode", 1),
+    ("priority", 1), ("correlation_id", "s"), ("reply_to", "s"), ("expiration", "s"),
+    ("message_id", "s"), ("timestamp", 8), ("type", "s"), ("user_id", "s"), ("app_id", "s"),
+    ("cluster_id", "s"),
+)  # fmt: skip
+_WANTED: Final = frozenset({"content_type", "correlation_id", "expiration", "message_id",
+                            "user_id"})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Properties:
+    """What the broker reads of a content header, without decoding its headers table.
+
+    Strings stay the octets sent; `headers` is the table's items (None: no table),
+    decoded only when routing needs them (`decoded_headers`).
+    """
+
+    content_type: bytes | None = None
+    correlation_id: bytes | None = None
+    expiration: bytes | None = None
+    message_id: bytes | None = None
+    user_id: bytes | None = None
+    headers: bytes | None = None
+
+    def decoded_headers(self) -> dict[str, Any] | None:
+        return None if self.headers is None else framing.decode_table(self.headers)
+
+
+def read_properties(raw: bytes) -> Properties:
+    """The fields the broker uses, read from property octets whose structure the frame
+    reader has checked (`framing`); ValueError if they are malformed after all."""
+    try:
+        flags = int.from_bytes(raw[:2], "big")
+        pos = 2
+        found: dict[str, bytes] = {}
+        for bit, (name, kind) in zip(range(15, 1, -1), _PROPERTY_LAYOUT, strict=True):
+            if not flags & (1 << bit):
+                continue
+            if kind == "s":
+                end = pos + 1 + raw[pos]
+                if name in _WANTED:
+                    found[name] = raw[pos + 1 : end]
+            elif kind == "t":
+                end = pos + 4 + int.from_bytes(raw[pos : pos + 4], "big")
+                found[name] = raw[pos + 4 : end]
+            else:
+                assert isinstance(kind, int)
+                end = pos + kind
+            if end > len(raw):
+                raise ValueError("property list truncated")
+            pos = end
+    except IndexError:
+        raise ValueError("property list truncated") from None
+    return Properties(**found)
+
+
+@dataclass
+class _Confirms:
+    """One confirm-mode channel's delivery tags."""
+
+    next_tag: int = 1
+    settled_through: int = 0
+
+
+# --- the broker ---------------------------------------------------------------------------
+
+
+class Broker:
+    """Exchanges, queues and publishing over PostgreSQL (see the module doc)."""
+
+    def __init__(self, dsn: str, connect_timeout: float) -> None:
+        self.catalogue = Catalogue(dsn, connect_timeout)
+        self.batcher = Batcher(dsn, connect_timeout)
+        # (vhost, queue) -> the connection that owns the exclusive queue
+        self.exclusive: dict[tuple[str, str], Connection] = {}
+        self._watched: set[int] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def channel_handler(self, channel: Channel) -> ChannelHandler:
+        return BrokerChannel(self, channel)
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def own(self, connection: Connection, vhost: str, queue: str) -> None:
+        """`connection` declared the exclusive queue: it goes when the connection does."""
+        self.exclusive[(vhost, queue)] = connection
+        if id(connection) in self._watched or connection.task is None:
+            return
+        self._watched.add(id(connection))
+
+        def gone(_: object) -> None:
+            self._watched.discard(id(connection))
+            mine = [key for key, owner in self.exclusive.items() if owner is connection]
+            for key in mine:
+                del self.exclusive[key]
+            if mine:
+                self.spawn(self._delete_exclusive(mine))
+
+        connection.task.add_done_callback(gone)
+
+    async def _delete_exclusive(self, queues: list[tuple[str, str]]) -> None:
+        for vhost, name in queues:
+            try:
+                view = await self.catalogue.view(vhost)
+                sources = view.sources_bound_to(QUEUE, name)
+                await self.catalogue.delete_queue(vhost, name, sources)
+            except AMQPError:
+                log.warning("amqp: could not delete exclusive queue %r in %r", name, vhost)
+
+    async def close(self) -> None:
+        """After the server stopped: commit what is queued, then close the connections."""
+        await self.batcher.close()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+        await self.catalogue.close()
+
+
+class BrokerChannel(ChannelHandler):
+    """One channel's exchanges, queues and publishes."""
+
+    def __init__(self, broker: Broker, channel: Channel) -> None:
+        super().__init__(channel)
+        self.broker = broker
+        self.catalogue = broker.catalogue
+        conn = channel.connection
+        self.connection = conn
+        self.vhost = conn.vhost or "/"
+        self.user = conn.username or ""
+        self.peer = column_peer(conn.peer)
+        self.last_queue: str | None = None  # queue.* with an empty name mean this one
+        self.confirms: _Confirms | None = None
+        self.tx: list[Item] | None = None  # tx mode: publishes held until tx.commit
+        self.tx_returns: list[framing.Content] = []
+        self.open = True
+        self._settled: list[tuple[int, bool]] = []
+        self._writable: set[str] = set()  # exchanges this user may publish to
+        self._routing: dict[tuple[str, str], str] = {}  # routing_json, per key
+        self._flush_scheduled = False
+
+    async def closed(self) -> None:
+        self.open = False
+        self.tx = None
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _method(self, method: base.Frame) -> Iterator[None]:
+        """Errors raised while handling `method` name it (class and method ids)."""
+        try:
+            yield
+        except AMQPError as error:
+            if not error.class_id:
+                error.class_id, error.method_id = method.index >> 16, method.index & 0xFFFF
+            raise
+
+    def _require(self, access: Access, kind: str, name: str) -> None:
+        checked = exchange_resource(name) if kind == EXCHANGE else name
+        if not allowed(self.connection.permission, access, checked):
+            raise refused(access, kind, checked, self.vhost, self.user)
+
+    def _queue_name(self, name: str) -> str:
+        if name:
+            return name
+        if self.last_queue is None:
+            raise ChannelError(NOT_FOUND, "no previously declared queue")
+        return self.last_queue
+
+    def _existing_queue(self, view: VhostView, name: str) -> Queue:
+        queue = view.queues.get(name)
+        if queue is None:
+            raise ChannelError(NOT_FOUND, f"no {resource('queue', name, self.vhost)}")
+        self._check_exclusive(queue)
+        return queue
+
+    def _check_exclusive(self, queue: Queue) -> None:
+        if not queue.declaration.exclusive:
+            return
+        owner = self.broker.exclusive.get((self.vhost, queue.name))
+        if owner is not self.connection:
+            what = resource("queue", queue.name, self.vhost)
+            raise ChannelError(
+                RESOURCE_LOCKED,
+                f"cannot obtain exclusive access to locked {what}."
+                " It could be originally declared on another connection or the exclusive "
+                "property value does not match that of the original declaration.",
+            )
+
+    def _existing_exchange(self, view: VhostView, name: str) -> Exchange:
+        exchange = view.exchanges.get(name)
+        if exchange is None:
+            raise ChannelError(NOT_FOUND, f"no {resource('exchange', name, self.vhost)}")
+        return exchange
+
+    def _reply(self, method: base.Frame) -> None:
+        if self.open:
+            self.channel.send_method(method)
+
+    # ---- exchanges --------------------------------------------------------------------
+
+    async def exchange_declare(self, method: commands.Exchange.Declare) -> None:
+        with self._method(method):
+            name = str(method.exchange)
+            requested = Exchange(
+                self.vhost,
+                name,
+                str(method.exchange_type),
+                bool(method.durable),
+                bool(method.auto_delete),
+                bool(method.internal),
+                dict(method.arguments or {}),
+            )
+            view = await self.catalogue.view(self.vhost)
+            existing = view.exchanges.get(name)
+            if not method.passive and name:
+                self._require(Access.CONFIGURE, EXCHANGE, name)
+            check_exchange_declare(requested, existing, passive=bool(method.passive))
+            if existing is None and not method.passive:
+                await self.catalogue.declare_exchange(requested)
+        if not method.nowait:
+            self._reply(commands.Exchange.DeclareOk())
+
+    async def exchange_delete(self, method: commands.Exchange.Delete) -> None:
+        with self._method(method):
+            name = str(method.exchange)
+            check_exchange_delete(self.vhost, name)
+            self._require(Access.CONFIGURE, EXCHANGE, name)
+            view = await self.catalogue.view(self.vhost)
+            if name in view.exchanges:
+                if method.if_unused and view.bindings_of_source(name):
+                    raise ChannelError(
+                        PRECONDITION_FAILED, f"{resource('exchange', name, self.vhost)} in use"
+                    )
+                sources = view.sources_bound_to(EXCHANGE, name)
+                await self.catalogue.delete_exchange(self.vhost, name, sources)
+        if not method.nowait:
+            self._reply(commands.Exchange.DeleteOk())
+
+    async def _exchange_binding(
+        self, method: commands.Exchange.Bind | commands.Exchange.Unbind, *, bind: bool
+    ) -> None:
+        binding = Binding(
+            str(method.source),
+            str(method.destination),
+            EXCHANGE,
+            str(method.routing_key),
+            dict(method.arguments or {}),
+        )
+        check_binding(binding)
+        self._require(Access.WRITE, EXCHANGE, binding.destination)
+        self._require(Access.READ, EXCHANGE, binding.source_exchange)
+        view = await self.catalogue.view(self.vhost)
+        source = self._existing_exchange(view, binding.source_exchange)
+        self._existing_exchange(view, binding.destination)
+        check_binding(binding, source)
+        if bind:
+            await self.catalogue.bind(self.vhost, binding)
+        else:
+            await self.catalogue.unbind(self.vhost, binding)
+
+    async def exchange_bind(self, method: commands.Exchange.Bind) -> None:
+        with self._method(method):
+            await self._exchange_binding(method, bind=True)
+        if not method.nowait:
+            self._reply(commands.Exchange.BindOk())
+
+    async def exchange_unbind(self, method: commands.Exchange.Unbind) -> None:
+        with self._method(method):
+            await self._exchange_binding(method, bind=False)
+        if not method.nowait:
+            self._reply(commands.Exchange.UnbindOk())
+
+    # ---- queues -------------------------------------------------------------------------
+
+    async def queue_declare(self, method: commands.Queue.Declare) -> None:
+        with self._method(method):
+            queue, count = await self._declare(method)
+        self.last_queue = queue
+        if not method.nowait:
+            self._reply(
+                framing.build_method(
+                    commands.Queue.DeclareOk, queue=queue, message_count=count, consumer_count=0
+                )
+            )
+
+    async def _declare(self, method: commands.Queue.Declare) -> tuple[str, int]:
+        arguments: Mapping[str, object] = dict(method.arguments or {})
+        passive = bool(method.passive)
+        name = declare_queue_name(str(method.queue), arguments, passive=passive, vhost=self.vhost)
+        view = await self.catalogue.view(self.vhost)
+        if passive:
+            found = self._existing_queue(view, self._queue_name(name))
+            return found.name, await self.catalogue.message_count(found.stage)
+        self._require(Access.CONFIGURE, QUEUE, name)
+        parsed = parse_queue_arguments(arguments, queue=name, vhost=self.vhost)
+        declaration = QueueDeclaration(
+            name,
+            self.vhost,
+            bool(method.durable),
+            bool(method.exclusive),
+            bool(method.auto_delete),
+            arguments,
+        )
+        check_queue_properties(declaration, parsed.queue_type)
+        if parsed.dead_letter_exchange is not None:
+            self._require(Access.WRITE, EXCHANGE, parsed.dead_letter_exchange)
+            self._require(Access.READ, QUEUE, name)
+        existing = view.queues.get(name)
+        if existing is None:
+            stage = await self.catalogue.declare_queue(declaration)
+            if stage is not None:
+                if declaration.exclusive:
+                    self.broker.own(self.connection, self.vhost, name)
+                return name, 0
+            view = await self.catalogue.view(self.vhost)  # declared meanwhile: compare
+            existing = self._existing_queue(view, name)
+        owner = self.broker.exclusive.get((self.vhost, name))
+        error = check_queue_redeclare(
+            existing.declaration, declaration, same_connection=owner is self.connection
+        )
+        if error is not None:
+            raise error
+        return name, await self.catalogue.message_count(existing.stage)
+
+    async def _queue_binding(
+        self, method: commands.Queue.Bind | commands.Queue.Unbind, *, bind: bool
+    ) -> None:
+        queue_name = self._queue_name(str(method.queue))
+        routing_key = str(method.routing_key)
+        if not method.queue and not routing_key:
+            routing_key = queue_name  # RabbitMQ: both empty mean the last queue, by name
+        binding = Binding(
+            str(method.exchange), queue_name, QUEUE, routing_key, dict(method.arguments or {})
+        )
+        check_binding(binding)
+        self._require(Access.WRITE, QUEUE, queue_name)
+        self._require(Access.READ, EXCHANGE, binding.source_exchange)
+        view = await self.catalogue.view(self.vhost)
+        self._existing_queue(view, queue_name)
+        source = self._existing_exchange(view, binding.source_exchange)
+        check_binding(binding, source)
+        if bind:
+            await self.catalogue.bind(self.vhost, binding)
+        else:
+            await self.catalogue.unbind(self.vhost, binding)
+
+    async def queue_bind(self, method: commands.Queue.Bind) -> None:
+        with self._method(method):
+            await self._queue_binding(method, bind=True)
+        if not method.nowait:
+            self._reply(commands.Queue.BindOk())
+
+    async def queue_unbind(self, method: commands.Queue.Unbind) -> None:
+        with self._method(method):
+            await self._queue_binding(method, bind=False)
+        self._reply(commands.Queue.UnbindOk())
+
+    async def queue_purge(self, method: commands.Queue.Purge) -> None:
+        with self._method(method):
+            name = self._queue_name(str(method.queue))
+            self._require(Access.READ, QUEUE, name)
+            queue = self._existing_queue(await self.catalogue.view(self.vhost), name)
+            count = await self.catalogue.purge_queue(queue.stage)
+        if not method.nowait:
+            self._reply(framing.build_method(commands.Queue.PurgeOk, message_count=count))
+
+    async def queue_delete(self, method: commands.Queue.Delete) -> None:
+        with self._method(method):
+            name = self._queue_name(str(method.queue))
+            self._require(Access.CONFIGURE, QUEUE, name)
+            view = await self.catalogue.view(self.vhost)
+            queue = view.queues.get(name)
+            count = 0
+            if queue is not None:  # a missing queue is deleted already (RabbitMQ: ok, 0)
+                self._check_exclusive(queue)
+                # if_unused: no consumers exist yet, so every queue is unused
+                if method.if_empty and await self.catalogue.message_count(queue.stage):
+                    raise ChannelError(
+                        PRECONDITION_FAILED, f"{resource('queue', name, self.vhost)} not empty"
+                    )
+                sources = view.sources_bound_to(QUEUE, name)
+                count = await self.catalogue.delete_queue(self.vhost, name, sources)
+                self.broker.exclusive.pop((self.vhost, name), None)
+        if not method.nowait:
+            self._reply(framing.build_method(commands.Queue.DeleteOk, message_count=count))
+
+    # ---- publishing ----------------------------------------------------------------------
+
+    async def confirm_select(self, method: commands.Confirm.Select) -> None:
+        if self.tx is not None:
+            raise ChannelError(PRECONDITION_FAILED, "cannot switch from tx to confirm mode", 85, 10)
+        if self.confirms is None:
+            self.confirms = _Confirms()
+        if not method.nowait:
+            self._reply(commands.Confirm.SelectOk())
+
+    async def tx_select(self, method: commands.Tx.Select) -> None:
+        if self.confirms is not None:
+            raise ChannelError(PRECONDITION_FAILED, "cannot switch from confirm to tx mode", 90, 10)
+        if self.tx is None:
+            self.tx = []
+        self._reply(commands.Tx.SelectOk())
+
+    def _transactional(self, method: base.Frame) -> list[Item]:
+        if self.tx is None:
+            raise ChannelError(
+                PRECONDITION_FAILED,
+                "channel is not transactional",
+                method.index >> 16,
+                method.index & 0xFFFF,
+            )
+        return self.tx
+
+    async def tx_commit(self, method: commands.Tx.Commit) -> None:
+        items = self._transactional(method)
+        self.tx, returns, self.tx_returns = [], self.tx_returns, []
+        for content in returns:
+            self._return(content)
+        if any(item.rows for item in items):
+            loop = asyncio.get_running_loop()
+            committed: asyncio.Future[BaseException | None] = loop.create_future()
+
+            def done(_: list[Item], error: BaseException | None) -> None:
+                if not committed.done():
+                    committed.set_result(error)
+
+            await self.broker.batcher.room()
+            self.broker.batcher.submit(Unit(items, done))
+            error = await committed
+            if error is not None:
+                raise AMQPConnectionError(
+                    INTERNAL_ERROR, "the transaction could not be committed", 90, 20
+                )
+        self._reply(commands.Tx.CommitOk())
+
+    async def tx_rollback(self, method: commands.Tx.Rollback) -> None:
+        self._transactional(method)
+        self.tx, self.tx_returns = [], []
+        self._reply(commands.Tx.RollbackOk())
+
+    def _return(self, content: framing.Content) -> None:
+        method = content.method
+        assert isinstance(method, commands.Basic.Publish)
+        if not self.open:
+            return
+        self.channel.send_content(
+            framing.build_method(
+                commands.Basic.Return,
+                reply_code=replies.NO_ROUTE,
+                reply_text="NO_ROUTE",
+                exchange=method.exchange,
+                routing_key=method.routing_key,
+            ),
+            content.raw_properties,
+            content.body,
+        )
+
+    async def basic_publish(self, content: framing.Content) -> None:
+        method = content.method
+        assert isinstance(method, commands.Basic.Publish)
+        with self._method(method):
+            item = await self._route(content, method)
+        if self.tx is not None:
+            self.tx.append(item)
+            return
+        if self.confirms is not None:
+            tag = self.confirms.next_tag
+            self.confirms.next_tag += 1
+            unit = Unit([item], lambda items, error: self._settle(tag, items, error))
+        elif item.rows:
+            unit = Unit([item], self._unconfirmed)
+        else:
+            return
+        await self.broker.batcher.room()
+        self.broker.batcher.submit(unit)
+
+    async def _route(self, content: framing.Content, method: commands.Basic.Publish) -> Item:
+        if method.immediate:
+            raise AMQPConnectionError(NOT_IMPLEMENTED, "immediate=true")
+        exchange, routing_key = str(method.exchange), str(method.routing_key)
+        if exchange not in self._writable:
+            self._require(Access.WRITE, EXCHANGE, exchange)
+            self._writable.add(exchange)  # the connection's permission does not change
+        view = self.catalogue.cached(self.vhost) or await self.catalogue.view(self.vhost)
+        props, headers, expires = self._properties(content, view)
+        queues = sorted(view.table.route(exchange, routing_key, headers))
+        if not queues:
+            if method.mandatory:
+                if self.tx is not None:
+                    self.tx_returns.append(content)
+                else:
+                    self._return(content)
+            return Item([])
+        return self._item(content, view, queues, props, expires)
+
+    def _properties(
+        self, content: framing.Content, view: VhostView
+    ) -> tuple[Properties, dict[str, Any] | None, dt.datetime | None]:
+        """The properties, the headers if routing needs them, and when the message expires."""
+        try:
+            props = read_properties(content.raw_properties)
+        except ValueError as error:
+            raise AMQPConnectionError(
+                replies.SYNTAX_ERROR, f"malformed content properties: {error}"
+            ) from None
+        if props.user_id is not None and props.user_id != self.user.encode():
+            user_id = props.user_id.decode("utf-8", "replace")
+            raise ChannelError(
+                PRECONDITION_FAILED,
+                f"user_id property set to '{user_id}' but authenticated user was '{self.user}'",
+            )
+        expiration = parse_expiration(props.expiration)
+        headers = None
+        if props.headers is not None and (
+            view.uses_headers or b"\x02CC" in props.headers or b"\x03BCC" in props.headers
+        ):
+            headers = props.decoded_headers()  # FrameSyntaxError (502) if undecodable
+        expires = (
+            None
+            if expiration is None
+            else dt.datetime.now(dt.UTC) + dt.timedelta(milliseconds=expiration)
+        )
+        return props, headers, expires
+
+    def _item(
+        self,
+        content: framing.Content,
+        view: VhostView,
+        queues: list[str],
+        props: Properties,
+        expires: dt.datetime | None,
+    ) -> Item:
+        """The publish as one row per destination queue, with the queues' limits."""
+        method = content.method
+        assert isinstance(method, commands.Basic.Publish)
+        exchange, routing_key = str(method.exchange), str(method.routing_key)
+        message_id = column_text(props.message_id)
+        content_type = column_text(props.content_type)
+        correlation_id = column_text(props.correlation_id)
+        routing = self._routing.get((exchange, routing_key))
+        if routing is None:
+            if len(self._routing) > ROUTING_CACHE:
+                self._routing.clear()
+            routing = self._routing[(exchange, routing_key)] = routing_json(exchange, routing_key)
+        rows: list[Row] = []
+        limits: dict[str, tuple[int, bool]] = {}
+        for name in queues:
+            queue = view.queues[name]
+            rows.append(
+                Row(
+                    stage=queue.stage,
+                    message_id=message_id,
+                    dedup=False,
+                    sender=None,
+                    recipients=None,
+                    origin_user=self.user or None,
+                    origin_peer=self.peer,
+                    header_from=None,
+                    subject=None,
+                    content_type=content_type,
+                    correlation_id=correlation_id,
+                    properties=routing,
+                    expires=expires,
+                    header=content.raw_properties,
+                    body=content.body,
+                )
+            )
+            if queue.limit is not None:
+                limits[queue.stage] = queue.limit
+        return Item(rows, limits)
+
+    # ---- settling publishes ----------------------------------------------------------------
+
+    def _settle(self, tag: int, items: list[Item], error: BaseException | None) -> None:
+        ok = error is None and not any(item.refused for item in items)
+        self._settled.append((tag, ok))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Send the confirms of everything settled since the last flush, grouped."""
+        self._flush_scheduled = False
+        settled, self._settled = self._settled, []
+        confirms = self.confirms
+        if confirms is None or not self.open or not settled:
+            return
+        plan, confirms.settled_through = group_confirms(confirms.settled_through, settled)
+        for confirm in plan:
+            cls = commands.Basic.Ack if confirm.ok else commands.Basic.Nack
+            fields: dict[str, Any] = {"delivery_tag": confirm.tag, "multiple": confirm.multiple}
+            if not confirm.ok:
+                fields["requeue"] = False
+            self.channel.send_method(framing.build_method(cls, **fields))
+
+    def _unconfirmed(self, items: list[Item], error: BaseException | None) -> None:
+        """A publish without confirms: a refused one is dropped as in RabbitMQ; one that was
+        not committed must not vanish silently, so the connection is closed (541)."""
+        if error is None or not self.open:
+            return
+        close = close_for(
+            AMQPConnectionError(INTERNAL_ERROR, "a publish could not be stored", 60, 40)
+        )
+        # The connection's own way to send a close and drop the channels (connection.py).
+        self.broker.spawn(self.connection._answer(close))
