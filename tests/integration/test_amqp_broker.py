@@ -6,7 +6,6 @@ stage, with the content header's property octets byte for byte."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,45 +20,16 @@ from pika.spec import BasicProperties
 from pepsi.admin import amqp_users
 from pepsi.amqp.broker import Broker
 from pepsi.amqp.connection import ConnectionOptions
-from pepsi.amqp.server import Server, serve
 from pepsi.config.model import AmqpOptions
+from tests.integration.amqp_harness import PASSWORD, Listener, assert_no_server_bugs
 
-PASSWORD = "s3cret"
 Conn = psycopg.Connection[Any]
-
-
-class Listener:
-    """A Server with the real Broker, on its own event loop thread (pika is synchronous)."""
-
-    def __init__(self, dsn: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.broker = Broker(dsn, 5.0)
-        options = ConnectionOptions(AmqpOptions(), close_timeout=1.0)
-        self.server: Server = self.call(serve(("127.0.0.1", 0), options, dsn, 5.0, self.broker))
-        self.port = self.server.address[1]
-
-    def call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
-
-    def close(self) -> None:
-        self.call(self.server.stop())
-        self.call(self.broker.close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        self.loop.close()
 
 
 @pytest.fixture(autouse=True)
 def no_server_bugs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     yield
-    failures = [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "pepsi.amqp" and r.levelname == "ERROR" and r.exc_info
-    ]
-    assert not failures, failures
+    assert_no_server_bugs(caplog, tracebacks_only=True)
 
 
 @pytest.fixture
@@ -73,7 +43,7 @@ def users(conn: Conn) -> Conn:
 
 @pytest.fixture
 def listener(dsn: str, users: Conn) -> Iterator[Listener]:
-    server = Listener(dsn)
+    server = Listener(dsn, ConnectionOptions(AmqpOptions(), close_timeout=1.0), Broker(dsn, 5.0))
     yield server
     server.close()
 

@@ -7,10 +7,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, ClassVar, TypeVar
 
@@ -26,55 +24,18 @@ from pamqp import base, commands
 from pepsi.admin import amqp_users
 from pepsi.amqp import framing
 from pepsi.amqp.connection import Channel, ChannelHandler, ConnectionOptions
-from pepsi.amqp.server import Server, serve
 from pepsi.config.model import AmqpOptions
+from tests.integration.amqp_harness import PASSWORD, Listener, assert_no_server_bugs
 
 T = TypeVar("T")
-PASSWORD = "s3cret"
+
 HANDSHAKE_TIMEOUT = 1.0
-
-
-class Listener:
-    """A Server on its own event loop thread (pika's BlockingConnection is synchronous)."""
-
-    def __init__(self, dsn: str, options: ConnectionOptions, broker: Any = None) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server: Server = self.call(serve(("127.0.0.1", 0), options, dsn, 10.0, broker))
-        self.port = self.server.address[1]
-
-    def call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
-
-    def run(self, fn: Callable[[], T]) -> T:
-        future: Future[T] = Future()
-
-        def call() -> None:
-            try:
-                future.set_result(fn())
-            except Exception as exc:  # noqa: BLE001  # handed back to the test thread
-                future.set_exception(exc)
-
-        self.loop.call_soon_threadsafe(call)
-        return future.result(timeout=30)
-
-    def connections(self) -> int:
-        return self.run(lambda: len(self.server.connections))
-
-    def close(self) -> None:
-        self.call(self.server.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        self.loop.close()
 
 
 @pytest.fixture(autouse=True)
 def no_server_bugs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    """Bad input is answered, never a traceback: no connection may fail unexpectedly."""
     yield
-    failures = [r for r in caplog.records if r.name == "pepsi.amqp" and r.levelname == "ERROR"]
-    assert not failures, [r.getMessage() for r in failures]
+    assert_no_server_bugs(caplog, tracebacks_only=False)
 
 
 @pytest.fixture
