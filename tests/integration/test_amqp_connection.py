@@ -76,8 +76,12 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "c
 class Raw:
     """A socket speaking frames, for what real clients do not send."""
 
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    def __init__(self, port: int, receive_buffer: int | None = None) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if receive_buffer is not None:  # before connect: it sets the advertised window
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        self.sock.settimeout(10)
+        self.sock.connect(("127.0.0.1", port))
         self.reader = framing.FrameReader(0, expect_protocol_header=False)
         self.pending: list[framing.Frame] = []
 
@@ -527,8 +531,10 @@ def test_a_client_that_never_reads_is_dropped(
     options = ConnectionOptions(write_high_water=4096, write_stall_timeout=1.0)
     server = Listener(dsn, options)
     try:
-        client = Raw(server.port)
-        client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        # A small window set before connecting: the server's kernel buffers fill after
+        # a few thousand answers, so its own write buffer passes the high-water mark
+        # however slowly a loaded machine lets it answer.
+        client = Raw(server.port, receive_buffer=4096)
         client.handshake()
         client.method(1, commands.Channel.Open())
         client.expect(commands.Channel.OpenOk)
