@@ -72,6 +72,12 @@ log = logging.getLogger("pepsi.amqp")
 
 MAX_TEXT: Final = 4096  # a property longer than this is not copied into its column
 ROUTING_CACHE: Final = 1024  # (exchange, routing key) JSON texts kept per channel
+PROPERTIES_CACHE: Final = 64  # parsed property lists kept per channel ...
+PROPERTIES_CACHE_OCTETS: Final = 512  # ... each at most this long
+_PUBLISH_CLASS, _PUBLISH_METHOD = (
+    commands.Basic.Publish.index >> 16,
+    commands.Basic.Publish.index & 0xFFFF,
+)
 
 
 # --- pure helpers ----------------------------------------------------------------------
@@ -279,6 +285,9 @@ class BrokerChannel(ChannelHandler):
         self._settled: list[tuple[int, bool]] = []
         self._writable: set[str] = set()  # exchanges this user may publish to
         self._routing: dict[tuple[str, str], str] = {}  # routing_json, per key
+        self._props_cache: dict[bytes, Properties] = {}  # read_properties, per raw octets
+        self._route_view: VhostView | None = None  # the view _route_cache was made from
+        self._route_cache: dict[tuple[str, str], list[str]] = {}  # queues, per key
         self._flush_scheduled = False
 
     async def closed(self) -> None:
@@ -601,8 +610,12 @@ class BrokerChannel(ChannelHandler):
     async def basic_publish(self, content: framing.Content) -> None:
         method = content.method
         assert isinstance(method, commands.Basic.Publish)
-        with self._method(method):
+        try:  # as `_method`, without a generator context manager per publish
             item = await self._route(content, method)
+        except AMQPError as error:
+            if not error.class_id:
+                error.class_id, error.method_id = _PUBLISH_CLASS, _PUBLISH_METHOD
+            raise
         if self.tx is not None:
             self.tx.append(item)
             return
@@ -614,8 +627,10 @@ class BrokerChannel(ChannelHandler):
             unit = Unit([item], self._unconfirmed)
         else:
             return
-        await self.broker.batcher.room()
-        self.broker.batcher.submit(unit)
+        batcher = self.broker.batcher
+        if not batcher.has_room:
+            await batcher.room()
+        batcher.submit(unit)
 
     async def _route(self, content: framing.Content, method: commands.Basic.Publish) -> Item:
         if method.immediate:
@@ -626,7 +641,7 @@ class BrokerChannel(ChannelHandler):
             self._writable.add(exchange)  # the connection's permission does not change
         view = self.catalogue.cached(self.vhost) or await self.catalogue.view(self.vhost)
         props, headers, expires = self._properties(content, view)
-        queues = sorted(view.table.route(exchange, routing_key, headers))
+        queues = self._queues_for(view, exchange, routing_key, headers)
         if not queues:
             if method.mandatory:
                 if self.tx is not None:
@@ -636,16 +651,43 @@ class BrokerChannel(ChannelHandler):
             return Item([])
         return self._item(content, view, queues, props, expires)
 
+    def _queues_for(
+        self, view: VhostView, exchange: str, routing_key: str, headers: dict[str, Any] | None
+    ) -> list[str]:
+        """The sorted destination queues; without headers, remembered per (exchange, key)
+        for as long as the vhost's view (immutable, replaced on any change) stays the same."""
+        if headers is not None:
+            return sorted(view.table.route(exchange, routing_key, headers))
+        if self._route_view is not view:
+            self._route_view, self._route_cache = view, {}
+        key = (exchange, routing_key)
+        queues = self._route_cache.get(key)
+        if queues is None:
+            queues = sorted(view.table.route(exchange, routing_key, None))  # 404/403 raise
+            if len(self._route_cache) >= ROUTING_CACHE:
+                self._route_cache.clear()
+            self._route_cache[key] = queues
+        return queues
+
     def _properties(
         self, content: framing.Content, view: VhostView
     ) -> tuple[Properties, dict[str, Any] | None, dt.datetime | None]:
         """The properties, the headers if routing needs them, and when the message expires."""
-        try:
-            props = read_properties(content.raw_properties)
-        except ValueError as error:
-            raise AMQPConnectionError(
-                replies.SYNTAX_ERROR, f"malformed content properties: {error}"
-            ) from None
+        raw = content.raw_properties
+        props = self._props_cache.get(raw)
+        if props is None:
+            try:
+                props = read_properties(raw)
+            except ValueError as error:
+                raise AMQPConnectionError(
+                    replies.SYNTAX_ERROR, f"malformed content properties: {error}"
+                ) from None
+            # Publishers mostly repeat one property list: parse each once (Properties is
+            # frozen); short ones only, so the cache stays small.
+            if len(raw) <= PROPERTIES_CACHE_OCTETS:
+                if len(self._props_cache) >= PROPERTIES_CACHE:
+                    self._props_cache.clear()
+                self._props_cache[raw] = props
         if props.user_id is not None and props.user_id != self.user.encode():
             user_id = props.user_id.decode("utf-8", "replace")
             raise ChannelError(
@@ -685,29 +727,29 @@ class BrokerChannel(ChannelHandler):
             if len(self._routing) > ROUTING_CACHE:
                 self._routing.clear()
             routing = self._routing[(exchange, routing_key)] = routing_json(exchange, routing_key)
+        # Every Row field after the stage, in Row's order (positional: 15 keywords per row
+        # cost more than the rest of this method).
+        tail = (
+            message_id,  # message_id
+            False,  # dedup
+            None,  # sender
+            None,  # recipients
+            self.user or None,  # origin_user
+            self.peer,  # origin_peer
+            None,  # header_from
+            None,  # subject
+            content_type,
+            correlation_id,
+            routing,  # properties
+            expires,
+            content.raw_properties,  # header
+            content.body,
+        )
         rows: list[Row] = []
         limits: dict[str, tuple[int, bool]] = {}
         for name in queues:
             queue = view.queues[name]
-            rows.append(
-                Row(
-                    stage=queue.stage,
-                    message_id=message_id,
-                    dedup=False,
-                    sender=None,
-                    recipients=None,
-                    origin_user=self.user or None,
-                    origin_peer=self.peer,
-                    header_from=None,
-                    subject=None,
-                    content_type=content_type,
-                    correlation_id=correlation_id,
-                    properties=routing,
-                    expires=expires,
-                    header=content.raw_properties,
-                    body=content.body,
-                )
-            )
+            rows.append(Row._make((queue.stage, *tail)))
             if queue.limit is not None:
                 limits[queue.stage] = queue.limit
         return Item(rows, limits)
@@ -729,12 +771,17 @@ class BrokerChannel(ChannelHandler):
         if confirms is None or not self.open or not settled:
             return
         plan, confirms.settled_through = group_confirms(confirms.settled_through, settled)
+        frames: list[bytes] = []
         for confirm in plan:
             cls = commands.Basic.Ack if confirm.ok else commands.Basic.Nack
             fields: dict[str, Any] = {"delivery_tag": confirm.tag, "multiple": confirm.multiple}
             if not confirm.ok:
                 fields["requeue"] = False
-            self.channel.send_method(framing.build_method(cls, **fields))
+            frames.append(
+                framing.encode_method(self.channel.number, framing.build_method(cls, **fields))
+            )
+        if frames:  # one transport write for the whole flush
+            self.channel.connection.send(b"".join(frames))
 
     def _unconfirmed(self, items: list[Item], error: BaseException | None) -> None:
         """A publish without confirms: a refused one is dropped as in RabbitMQ; one that was

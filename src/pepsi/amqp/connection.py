@@ -672,7 +672,21 @@ class Connection(asyncio.Protocol):
                 return False
             if self.state is State.CLOSED:
                 return True
-            await self._handle(frame)
+            # Content header and body frames on an open channel (two of a publish's three
+            # frames) skip the general path's coroutine layers; the checks are _handle's.
+            channel = (
+                self.channels.get(frame.channel)
+                if self.state is State.OPEN
+                and isinstance(frame, framing.RawContentHeader | framing.BodyFrame)
+                else None
+            )
+            if channel is None or channel.closing:
+                await self._handle(frame)
+            else:
+                assert isinstance(frame, framing.RawContentHeader | framing.BodyFrame)
+                result = channel.assembler.feed(frame)
+                if result is not None:
+                    await self._channel_result(channel, result)
         except framing.ProtocolHeaderMismatch as error:
             log.info("amqp %s: %s; answering with the 0-9-1 header", self.name, error)
             self.send(error.answer)
@@ -872,8 +886,13 @@ class Connection(asyncio.Protocol):
                     del self.channels[number]
             return
         result = channel.assembler.feed(frame)
-        if result is None:
-            return
+        if result is not None:
+            await self._channel_result(channel, result)
+
+    async def _channel_result(
+        self, channel: Channel, result: framing.MethodFrame | framing.Content
+    ) -> None:
+        number = channel.number
         try:
             if isinstance(result, framing.Content):
                 await self._dispatch(channel, result.method, result)

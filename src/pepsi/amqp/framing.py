@@ -406,7 +406,33 @@ _PROPERTY_SLOTS: Final = tuple(
 _PROPERTY_FLAG_MASK: Final = 0xFFFC
 
 
+def _properties_fast_ok(raw: bytes) -> bool:
+    """True when property octets without tables are well formed (the common case, checked
+    without the walker); False means "not sure": the walker decides and names the error."""
+    end = len(raw)
+    if end < 2:
+        return False
+    flags = (raw[0] << 8) | raw[1]
+    pos = 2
+    for flag, item in _PROPERTY_SLOTS:
+        if not flags & flag:
+            continue
+        if item == "shortstr":
+            if pos >= end:
+                return False
+            pos += 1 + raw[pos]
+        elif isinstance(item, int):
+            pos += item
+        else:  # a table: leave it to the walker (depth and item bounds)
+            return False
+        if pos > end:
+            return False
+    return pos == end
+
+
 def _check_properties(raw: bytes) -> None:
+    if _properties_fast_ok(raw):
+        return
     walker = _Walker(raw)
     end = len(raw)
     pos = walker.need(0, 2, end)
@@ -448,7 +474,42 @@ def decode_properties(raw_properties: bytes, *, channel: int = 0) -> commands.Ba
     return properties
 
 
+_PUBLISH_INDEX: Final = commands.Basic.Publish.index
+
+
+def _fast_publish(payload: bytes) -> commands.Basic.Publish | None:
+    """basic.publish decoded straight off its fixed layout (ticket, two shortstrs, one bit
+    octet), as pamqp's unmarshal would set it; None when anything is off, so that the
+    general path raises its usual error."""
+    end = len(payload)
+    if end < 9:
+        return None
+    exchange_end = 7 + payload[6]
+    if exchange_end >= end:
+        return None
+    key_end = exchange_end + 1 + payload[exchange_end]
+    if key_end + 1 != end:
+        return None
+    try:
+        exchange = payload[7:exchange_end].decode()
+        routing_key = payload[exchange_end + 1 : key_end].decode()
+    except UnicodeDecodeError:
+        return None
+    bits = payload[key_end]
+    method = commands.Basic.Publish.__new__(commands.Basic.Publish)  # no defaults, no validate
+    method.ticket = (payload[4] << 8) | payload[5]
+    method.exchange = exchange
+    method.routing_key = routing_key
+    method.mandatory = bool(bits & 1)
+    method.immediate = bool(bits & 2)
+    return method
+
+
 def _decode_method(channel: int, payload: bytes) -> MethodFrame:
+    if len(payload) >= 9 and _U32.unpack_from(payload, 0)[0] == _PUBLISH_INDEX:
+        publish = _fast_publish(payload)
+        if publish is not None:
+            return MethodFrame(channel, publish)
     if len(payload) < 4:
         raise FrameFormatError(
             "method frame shorter than its class and method ids", channel=channel

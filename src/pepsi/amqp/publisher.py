@@ -30,7 +30,6 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Final
 
 import psycopg
@@ -113,7 +112,10 @@ class Item:
 
     @property
     def size(self) -> int:
-        return sum(len(r.body or b"") + len(r.header or b"") for r in self.rows)
+        total = 0
+        for r in self.rows:
+            total += len(r.body or b"") + len(r.header or b"")
+        return total
 
 
 @dataclass
@@ -126,14 +128,17 @@ class Unit:
 
     items: list[Item]
     done: Callable[[list[Item], BaseException | None], None]
+    # Counted once at construction (a unit's items are not changed after it is made);
+    # plain attributes, since 3.11's cached_property takes a lock on every first access.
+    rows: int = field(init=False)
+    size: int = field(init=False)
 
-    @cached_property
-    def rows(self) -> int:
-        return sum(len(i.rows) for i in self.items)
-
-    @cached_property
-    def size(self) -> int:
-        return sum(i.size for i in self.items)
+    def __post_init__(self) -> None:
+        rows = size = 0
+        for item in self.items:
+            rows += len(item.rows)
+            size += item.size
+        self.rows, self.size = rows, size
 
 
 def _call_params(rows: Sequence[Row], limits: dict[str, Limit]) -> tuple[Any, ...]:
@@ -206,6 +211,11 @@ class Batcher:
             self._room.clear()
         self._wake.set()
 
+    @property
+    def has_room(self) -> bool:
+        """False while publishers must wait in `room()` (lets them skip the await)."""
+        return self._room.is_set()
+
     async def room(self) -> None:
         """Return when the queue is under its high-water mark (a publisher waits here)."""
         await self._room.wait()
@@ -226,15 +236,17 @@ class Batcher:
                 await conn.close()
 
     def _take(self) -> list[Unit]:
-        taken: list[Unit] = []
-        rows = size = 0
-        while self._queue:
-            unit = self._queue[0]
-            if taken and (rows + unit.rows > MAX_BATCH_ROWS or size + unit.size > MAX_BATCH_BYTES):
+        queue = self._queue
+        rows = size = count = 0
+        for unit in queue:
+            if count and (rows + unit.rows > MAX_BATCH_ROWS or size + unit.size > MAX_BATCH_BYTES):
                 break
-            taken.append(self._queue.pop(0))
+            count += 1
             rows += unit.rows
             size += unit.size
+        # one slice, not pop(0) per unit (quadratic in a long queue)
+        taken = queue[:count]
+        del queue[:count]
         self._queued_rows -= rows
         if self._queued_rows <= HIGH_WATER_ROWS:
             self._room.set()
