@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pepsi.cluster.layout import NODES, SUPERUSER, Layout, Secrets
+from pepsi.cluster.layout import DATABASE, NODES, SUPERUSER, Layout, Secrets
+from pepsi.db.queries import query
 from pepsi.errors import PepsiError
 
 START_TIMEOUT = 120.0  # seconds for a new cluster: initdb, two base backups
@@ -194,7 +195,7 @@ class Cluster:
 
         try:
             with psycopg.connect(self.layout.node_dsn(node, "postgres"), connect_timeout=2) as c:
-                row = c.execute("SHOW synchronous_standby_names").fetchone()
+                row = c.execute(query("cluster_quorum_setting")).fetchone()
         except psycopg.Error:
             return None
         return str(row[0]) if row else None
@@ -281,15 +282,13 @@ class Cluster:
     def _ensure_database(self) -> None:
         """The `pepsi` database exists on the primary, with this build's schema."""
         import psycopg  # noqa: PLC0415
+        from psycopg import sql  # noqa: PLC0415
 
         from pepsi.db import schema  # noqa: PLC0415
 
         with psycopg.connect(self.layout.dsn("postgres"), autocommit=True) as conn:
-            found = conn.execute(
-                "SELECT 1 FROM pg_database WHERE datname = %s", ["pepsi"]
-            ).fetchone()
-            if not found:
-                conn.execute("CREATE DATABASE pepsi")
+            if not conn.execute(query("database_exists"), {"name": DATABASE}).fetchone():
+                conn.execute(query("database_create").format(name=sql.Identifier(DATABASE)))
         with psycopg.connect(self.layout.dsn()) as conn:
             schema.install(conn)
 

@@ -217,6 +217,10 @@ SELECT 1 FROM pg_database WHERE datname = %(name)s;
 -- The name is an identifier, composed with psycopg.sql: a parameter cannot be one.
 CREATE DATABASE {name};
 
+-- name: cluster_quorum_setting
+-- `pepsi cluster status`: the quorum rule Patroni set on the primary.
+SHOW synchronous_standby_names;
+
 -- name: role_set_password
 -- The embedded server's superuser gets a SCRAM verifier computed by libpq, so the
 -- secret itself never reaches the server or its log; composed: ALTER takes no parameter.
