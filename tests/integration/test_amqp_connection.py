@@ -26,6 +26,7 @@ from pepsi.amqp import framing
 from pepsi.amqp.connection import Channel, ChannelHandler, ConnectionOptions
 from pepsi.config.model import AmqpOptions
 from tests.integration.amqp_harness import PASSWORD, Listener, assert_no_server_bugs
+from tests.scenarios.conftest import wait_until
 
 T = TypeVar("T")
 
@@ -57,17 +58,6 @@ def listener(dsn: str, users: psycopg.Connection[Any]) -> Iterator[Listener]:
 def params(listener: Listener, **kw: Any) -> pika.ConnectionParameters:
     kw.setdefault("credentials", pika.PlainCredentials("alice", PASSWORD))
     return pika.ConnectionParameters("127.0.0.1", listener.port, **kw)
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 # -- a raw client ------------------------------------------------------------------------
@@ -217,7 +207,7 @@ def test_pika_logs_in_opens_and_closes_channels(listener: Listener) -> None:
     third = connection.channel()
     assert third.is_open
     connection.close()
-    wait_for(lambda: listener.connections() == 0, what="the server to forget the connection")
+    wait_until(lambda: listener.connections() == 0, what="the server to forget the connection")
 
 
 def test_amqplain_logs_in(raw: Callable[[], Raw]) -> None:
@@ -372,9 +362,11 @@ def test_blocked_and_unblocked_reach_a_client_that_asked(listener: Listener) -> 
             lambda _conn, _f: events.append("unblocked")
         )
         listener.run(lambda: listener.server.set_blocked("low on database connections"))
-        wait_for(lambda: connection.process_data_events(0.05) or events, what="blocked")
+        wait_until(lambda: connection.process_data_events(0.05) or events, what="blocked")
         listener.run(lambda: listener.server.set_blocked(None))
-        wait_for(lambda: connection.process_data_events(0.05) or len(events) == 2, what="unblocked")
+        wait_until(
+            lambda: connection.process_data_events(0.05) or len(events) == 2, what="unblocked"
+        )
     assert events == ["blocked low on database connections", "unblocked"]
 
 
@@ -423,7 +415,7 @@ def test_the_seam_routes_channel_methods_to_the_brokers_handler(
         assert "a bug in a handler" in caplog.text
         caplog.clear()  # the expected traceback
         # closed() once per channel: the 540 one, and the one the 541 took down
-        wait_for(lambda: len(EchoHandler.closed_channels) == 2, what="closed()")
+        wait_until(lambda: len(EchoHandler.closed_channels) == 2, what="closed()")
         with pika.BlockingConnection(parameters) as connection:
             assert connection.channel().queue_declare("again").method.queue == "again"
     finally:
@@ -550,7 +542,7 @@ def test_a_client_that_never_reads_is_dropped(
                 pass  # the server stopped reading us: its stall timer runs
             except OSError:
                 break  # reset: dropped
-        wait_for(lambda: server.connections() == 0, what="the stalled client to be dropped")
+        wait_until(lambda: server.connections() == 0, what="the stalled client to be dropped")
         assert "the client has not read for 1s" in caplog.text
         client.close()
         fresh = Raw(server.port)
@@ -587,10 +579,10 @@ def test_the_server_forgets_every_connection(listener: Listener, raw: Callable[[
     clients = [raw() for _ in range(3)]
     for client in clients:
         client.handshake()
-    wait_for(lambda: listener.connections() == 3, what="three connections")
+    wait_until(lambda: listener.connections() == 3, what="three connections")
     for client in clients:
         client.close()
-    wait_for(lambda: listener.connections() == 0, what="no connections")
+    wait_until(lambda: listener.connections() == 0, what="no connections")
 
 
 def test_stop_closes_open_connections_with_320(dsn: str, users: Any) -> None:

@@ -501,19 +501,28 @@ def check_queue_redeclare(
     new = _with_default_type(requested.arguments)
     old_type = old["x-queue-type"]
     for key in _ARGUMENTS_BY_TYPE.get(old_type if isinstance(old_type, str) else "", ()):
-        if (key in old) != (key in new) or (
-            key in old and value_key(old[key]) != value_key(new[key])
-        ):
-            return ChannelError(
-                PRECONDITION_FAILED,
-                inequivalent(
-                    key,
-                    what,
-                    describe_value(new.get(key), present=key in new),
-                    describe_value(old.get(key), present=key in old),
-                ),
-            )
+        if (error := argument_mismatch(key, what, old, new)) is not None:
+            return error
     return None
+
+
+def argument_mismatch(
+    key: str, what: str, old: Mapping[str, object], new: Mapping[str, object]
+) -> ChannelError | None:
+    """406 if a redeclare's argument `key` differs from the declared one (present or not)."""
+    if (key in old) == (key in new) and (
+        key not in old or value_key(old[key]) == value_key(new[key])
+    ):
+        return None
+    return ChannelError(
+        PRECONDITION_FAILED,
+        inequivalent(
+            key,
+            what,
+            describe_value(new.get(key), present=key in new),
+            describe_value(old.get(key), present=key in old),
+        ),
+    )
 
 
 # -- names -----------------------------------------------------------------------------

@@ -35,7 +35,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
 
-from pepsi.amqp.arguments import describe_value, field_type, inequivalent, resource, value_key
+from pepsi.amqp.arguments import (
+    argument_mismatch,
+    describe_value,
+    field_type,
+    inequivalent,
+    resource,
+    value_key,
+)
 from pepsi.amqp.replies import ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED, ChannelError
 
 DIRECT: Final = "direct"
@@ -154,19 +161,7 @@ def check_redeclare(existing: Exchange, requested: Exchange) -> ChannelError | N
                 PRECONDITION_FAILED,
                 inequivalent(key, what, f"'{_word(received)}'", f"'{_word(current)}'"),
             )
-    old, new = existing.arguments, requested.arguments
-    key = ALTERNATE_EXCHANGE
-    if (key in old) != (key in new) or (key in old and value_key(old[key]) != value_key(new[key])):
-        return ChannelError(
-            PRECONDITION_FAILED,
-            inequivalent(
-                key,
-                what,
-                describe_value(new.get(key), present=key in new),
-                describe_value(old.get(key), present=key in old),
-            ),
-        )
-    return None
+    return argument_mismatch(ALTERNATE_EXCHANGE, what, existing.arguments, requested.arguments)
 
 
 def _word(value: object) -> str:
