@@ -39,9 +39,16 @@ def test_the_dispatcher_serves_amqp_on_listen(pipeline: Pipeline) -> None:
         "SELECT count(*) FROM pepsi.workqueue WHERE stage = 'amqp:/:orders'"
     ).fetchone()
     assert stored == (1,)
-    with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="540"):
-        channel.basic_get("orders")  # consuming comes next
-    assert connection.channel().queue_delete("orders").method.message_count == 1
+    got: list[bytes] = []  # a consumer, fed by this dispatcher's claim
+    channel.basic_consume(
+        "orders", lambda ch, m, p, body: (got.append(body), ch.basic_ack(m.delivery_tag))
+    )
+    wait_until(lambda: connection.process_data_events(time_limit=0.05) or got, what="the delivery")
+    assert got == [b"confirmed"]
+    wait_until(lambda: pipeline.db.execute(
+        "SELECT count(*) FROM pepsi.workqueue WHERE stage = 'amqp:/:orders'"
+    ).fetchone() == (0,), what="the ack to delete the row")  # fmt: skip
+    assert connection.channel().queue_delete("orders").method.message_count == 0
     # the claim loop is unaffected: a message still goes through the pipeline
     pipeline.publish("a")
     wait_until(pipeline.settled, what="the message to finish")

@@ -14,8 +14,9 @@ An AMQP queue is a stage (`amqp_queue.stage`, 'amqp:VHOST:QUEUE'); a publish
 writes one row per destination queue with the content header's property octets
 as received in `workqueue_body.header` and the body in `workqueue_body.body`.
 
-Consuming (basic.qos/consume/get/ack/nack/reject/recover/cancel) is not here yet:
-those methods still answer 540 from the base class.
+- a `delivery.Deliverer`: the consumers, fed by the dispatcher's claim within their
+  credit, and their outcomes written to the rows; the channel side of consuming is
+  `consuming.ConsumingChannel`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from pepsi.amqp.arguments import (
 )
 from pepsi.amqp.catalogue import Catalogue, Queue, VhostView
 from pepsi.amqp.connection import Channel, ChannelHandler, Connection, close_for
+from pepsi.amqp.consuming import ConsumingChannel
+from pepsi.amqp.delivery import Deliverer
 from pepsi.amqp.permissions import Access, allowed, exchange_resource
 from pepsi.amqp.publisher import Batcher, Item, Unit, group_confirms
 from pepsi.amqp.replies import (
@@ -218,6 +221,8 @@ class Broker:
     def __init__(self, dsn: str, connect_timeout: float) -> None:
         self.catalogue = Catalogue(dsn, connect_timeout)
         self.batcher = Batcher(dsn, connect_timeout)
+        self.deliverer = Deliverer(dsn, connect_timeout)
+        self.deliverer.dead_letter_route = self._dead_letter_route
         # (vhost, queue) -> the connection that owns the exclusive queue
         self.exclusive: dict[tuple[str, str], Connection] = {}
         self._watched: set[int] = set()
@@ -251,26 +256,72 @@ class Broker:
     async def _delete_exclusive(self, queues: list[tuple[str, str]]) -> None:
         for vhost, name in queues:
             try:
-                view = await self.catalogue.view(vhost)
-                sources = view.sources_bound_to(QUEUE, name)
-                await self.catalogue.delete_queue(vhost, name, sources)
+                await self.delete_queue(vhost, name)
             except AMQPError:
                 log.warning("amqp: could not delete exclusive queue %r in %r", name, vhost)
 
+    async def delete_queue(self, vhost: str, name: str) -> int:
+        """Delete a queue (its bindings and rows): its consumers are cancelled."""
+        view = await self.catalogue.view(vhost)
+        queue = view.queues.get(name)
+        count = await self.catalogue.delete_queue(vhost, name, view.sources_bound_to(QUEUE, name))
+        self.exclusive.pop((vhost, name), None)
+        if queue is not None:
+            self.queue_gone(queue.stage)
+        return count
+
+    async def auto_delete_queue(self, vhost: str, name: str) -> None:
+        """An auto-delete queue lost its last consumer (unless one came back meanwhile)."""
+        view = await self.catalogue.view(vhost)
+        queue = view.queues.get(name)
+        if queue is None or self.deliverer.registry.count(queue.stage):
+            return
+        try:
+            await self.delete_queue(vhost, name)
+        except AMQPError:
+            log.warning("amqp: could not delete auto-delete queue %r in %r", name, vhost)
+
+    def queue_gone(self, stage: str) -> None:
+        """Server-sent basic.cancel to the consumers of a deleted queue."""
+        for consumer in list(self.deliverer.registry.of(stage)):
+            self.deliverer.registry.remove(consumer)
+            owner = consumer.book.owner
+            if isinstance(owner, ConsumingChannel):
+                owner.server_cancel(consumer)
+        self.deliverer.queues.pop(stage, None)
+
+    async def _dead_letter_route(
+        self, stage: str, exchange: str, routing_keys: list[str], headers: dict[str, Any] | None
+    ) -> tuple[list[str], str | None]:
+        """The stages a dead letter from `stage` reaches through `exchange` (none if the
+        exchange is missing, as RabbitMQ drops it then)."""
+        queue = self.deliverer.queues.get(stage)
+        if queue is None:
+            return [], None
+        view = await self.catalogue.view(queue.declaration.vhost)
+        if exchange not in view.exchanges:
+            return [], None
+        names: set[str] = set()
+        for key in routing_keys:
+            with contextlib.suppress(AMQPError):
+                names |= set(view.table.route(exchange, key, headers))
+        return sorted(view.queues[n].stage for n in names if n in view.queues), exchange
+
     async def close(self) -> None:
         """After the server stopped: commit what is queued, then close the connections."""
+        await self.deliverer.close()
         await self.batcher.close()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
         await self.catalogue.close()
 
 
-class BrokerChannel(ChannelHandler):
-    """One channel's exchanges, queues and publishes."""
+class BrokerChannel(ConsumingChannel):
+    """One channel's exchanges, queues and publishes (and, inherited, its consuming)."""
 
     def __init__(self, broker: Broker, channel: Channel) -> None:
-        super().__init__(channel)
         self.broker = broker
+        super().__init__(channel)
         self.catalogue = broker.catalogue
         conn = channel.connection
         self.connection = conn
@@ -293,6 +344,7 @@ class BrokerChannel(ChannelHandler):
     async def closed(self) -> None:
         self.open = False
         self.tx = None
+        await self.consumers_closed()
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -429,9 +481,18 @@ class BrokerChannel(ChannelHandler):
             queue, count = await self._declare(method)
         self.last_queue = queue
         if not method.nowait:
+            stage = self.catalogue.cached(self.vhost)
+            consumers = (
+                self.broker.deliverer.registry.count(stage.queues[queue].stage)
+                if stage is not None and queue in stage.queues
+                else 0
+            )
             self._reply(
                 framing.build_method(
-                    commands.Queue.DeclareOk, queue=queue, message_count=count, consumer_count=0
+                    commands.Queue.DeclareOk,
+                    queue=queue,
+                    message_count=count,
+                    consumer_count=consumers,
                 )
             )
 
@@ -525,14 +586,15 @@ class BrokerChannel(ChannelHandler):
             count = 0
             if queue is not None:  # a missing queue is deleted already (RabbitMQ: ok, 0)
                 self._check_exclusive(queue)
-                # if_unused: no consumers exist yet, so every queue is unused
+                if method.if_unused and self.broker.deliverer.registry.count(queue.stage):
+                    raise ChannelError(
+                        PRECONDITION_FAILED, f"{resource('queue', name, self.vhost)} in use"
+                    )
                 if method.if_empty and await self.catalogue.message_count(queue.stage):
                     raise ChannelError(
                         PRECONDITION_FAILED, f"{resource('queue', name, self.vhost)} not empty"
                     )
-                sources = view.sources_bound_to(QUEUE, name)
-                count = await self.catalogue.delete_queue(self.vhost, name, sources)
-                self.broker.exclusive.pop((self.vhost, name), None)
+                count = await self.broker.delete_queue(self.vhost, name)
         if not method.nowait:
             self._reply(framing.build_method(commands.Queue.DeleteOk, message_count=count))
 

@@ -469,6 +469,7 @@ class Connection(asyncio.Protocol):
         self._last_sent = self._last_received = self._loop.time()
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self.task: asyncio.Task[None] | None = None
+        self.resumed: Callable[[], None] = lambda: None  # the client reads again
 
     # ---- asyncio.Protocol callbacks (thin: buffer, flags, wake the task) ----------------
 
@@ -520,6 +521,12 @@ class Connection(asyncio.Protocol):
         self._writable.set()
         self._cancel_timer("stall")
         self._apply_reading()
+        self.resumed()
+
+    def writable_now(self) -> bool:
+        """Whether more may be sent now: the client reads what it is sent (deliveries stop
+        while it does not: its socket's back-pressure is its flow control)."""
+        return not self._write_paused and not self._lost
 
     # ---- sending -------------------------------------------------------------------
 

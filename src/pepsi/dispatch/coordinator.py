@@ -58,6 +58,19 @@ log = logging.getLogger("pepsi.dispatch")
 AConn = psycopg.AsyncConnection[tuple[Any, ...]]
 
 BUG_PAUSE = 1.0  # seconds the loop rests after an unexpected error in a cycle
+AMQP_STAGE_PREFIX = "amqp:"  # an AMQP queue's stage (pepsi.amqp_queue_stage)
+
+
+class _AmqpLink:
+    """What the AMQP deliverer tells the dispatcher (amqp.delivery.DispatchLink)."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+        self.returned = dispatcher.ledger.returned
+        self.consumed = dispatcher.ledger.consumed
+
+    def wake(self, cause: str) -> None:
+        self.dispatcher.wake("worker")  # consumers are workers to the statistics (P-9)
 
 
 class Dispatcher:
@@ -104,11 +117,14 @@ class Dispatcher:
 
     # ---- start and stop ---------------------------------------------------
 
-    async def serve(self) -> int:
+    async def serve(self, *, signals: bool = True) -> int:
+        """Run until stopped; `signals=False` (a dispatcher in a test's thread) leaves the
+        process's signal handlers alone: stop it with `request_stop`."""
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, self.request_stop)
-        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
+        if signals:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, self.request_stop)
+            loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         try:
             await self.session.open()
         except StopRequested:
@@ -199,6 +215,7 @@ class Dispatcher:
         if options.listen is None:
             return None
         self.amqp_broker = AmqpBroker(self.dsn, self.config.postgres.connect_timeout)
+        self.amqp_broker.deliverer.link = _AmqpLink(self)
         try:
             server = await amqp_server.serve(
                 options.listen,
@@ -282,9 +299,20 @@ class Dispatcher:
                 self.sweeper.due_in(soonest)
         await self.sweeper.run_once(conn)
         await self.supervisor.isolate()
-        claimed = await self.claimer.run_once(conn, self.supervisor.capacities())
+        capacities = self.supervisor.capacities()
+        broker = self.amqp_broker
+        if broker is not None:  # AMQP consumers: one more kind of worker (A-1)
+            capacities.update(broker.deliverer.capacities())
+        claimed = await self.claimer.run_once(conn, capacities)
         if claimed:
             self.ledger.claimed(claimed)
+            if broker is not None:
+                amqp = [row for row in claimed if row.stage.startswith(AMQP_STAGE_PREFIX)]
+                if amqp:
+                    broker.deliverer.deliver((row.wid, row.stage) for row in amqp)
+                    claimed = [
+                        row for row in claimed if not row.stage.startswith(AMQP_STAGE_PREFIX)
+                    ]
             await self.supervisor.feed(claimed)
         self.vacuum.maybe_start(self.ledger.answered_total)
         if self.flusher.due(self.supervisor.idle()):
@@ -329,7 +357,10 @@ class Dispatcher:
     async def _restore(self, conn: AConn) -> None:
         """On a new connection: write what waited, then reset rows nobody holds (P-2)."""
         await self.rows.flush(conn, self.clock())
-        await self.session.reset_orphans(self.supervisor.held() + self.ledger.held())
+        held = self.supervisor.held() + self.ledger.held()
+        if self.amqp_broker is not None:
+            held += self.amqp_broker.deliverer.held()
+        await self.session.reset_orphans(held)
 
     def sleep_time(self) -> float:
         return decisions.sleep_time(

@@ -70,6 +70,24 @@ class InFlight:
             for wid in ids:
                 ledger.refund(wid)
 
+    def returned(self, stage: str, ids: list[int]) -> None:
+        """AMQP consumers gave these back (or never got them): pending again, refunded."""
+        self.stats.stage(stage, "requeued", len(ids))
+        if self.fair is not None:
+            ledger = self.fair.ledger(stage)
+            for wid in ids:
+                ledger.refund(wid)
+
+    def consumed(self, stage: str, ids: list[int]) -> None:
+        """AMQP consumers settled these for good (acked or dead-lettered): a stage pass
+        each, charged what the claim debited (a consumer reports no time)."""
+        self.answered_total += len(ids)
+        self.stats.stage(stage, "processed", len(ids))
+        if self.fair is not None:
+            ledger = self.fair.ledger(stage)
+            for wid in ids:
+                ledger.report(wid, None)
+
     def answered(self, stage: str, wid: int, status: StatusLine) -> bool:
         """A worker's status line for `wid`; True if it said 75 (W-5: back-pressure)."""
         self.answered_total += 1

@@ -160,13 +160,19 @@ SET status = 'pending'
 WHERE workqueue_id = ANY(%(ids)s::bigint[]) AND status = 'running' AND stage = %(stage)s;
 
 -- name: workqueue_reset_running
--- P-2: at start, rows left running by a previous dispatcher go back to pending.
-UPDATE pepsi.workqueue SET status = 'pending' WHERE status = 'running';
+-- P-2: at start, rows left running by a previous dispatcher go back to pending
+-- (an AMQP queue's may have reached a consumer: they are marked redelivered).
+UPDATE pepsi.workqueue
+SET status = 'pending',
+    state = CASE WHEN stage LIKE 'amqp:%%' THEN state || '{"redelivered": true}' ELSE state END
+WHERE status = 'running';
 
 -- name: workqueue_reset_running_except
 -- After the dispatcher reconnects: running rows none of its workers holds
 -- (a claim whose answer was lost) go back to pending.
-UPDATE pepsi.workqueue SET status = 'pending'
+UPDATE pepsi.workqueue
+SET status = 'pending',
+    state = CASE WHEN stage LIKE 'amqp:%%' THEN state || '{"redelivered": true}' ELSE state END
 WHERE status = 'running' AND NOT (workqueue_id = ANY(%(held)s::bigint[]));
 
 -- name: workqueue_resume_due
@@ -659,3 +665,109 @@ WITH q AS (
     DELETE FROM pepsi.workqueue w WHERE w.stage IN (SELECT stage FROM q) RETURNING 1
 )
 SELECT (SELECT count(*) FROM q), (SELECT count(*) FROM gone);
+
+-- name: amqp_delivery_load
+-- What basic.deliver sends for rows the claim gave to AMQP consumers: only rows
+-- still running (a purge or queue.delete may have taken one meanwhile).
+SELECT w.workqueue_id, w.properties, w.state, w.expires <= now(), b.header, b.body
+FROM pepsi.workqueue w
+LEFT JOIN pepsi.workqueue_body b ON b.body_id = w.body_id
+WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running';
+
+-- name: amqp_get
+-- basic.get: claim the queue's oldest pending row (skipping one the dispatcher's
+-- claim holds) and count what stays ready, in one statement.
+WITH next AS (
+    SELECT workqueue_id FROM pepsi.workqueue
+    WHERE stage = %(stage)s AND status = 'pending'
+    ORDER BY stage, workqueue_id
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+), got AS (
+    UPDATE pepsi.workqueue w SET status = 'running'
+    FROM next WHERE w.workqueue_id = next.workqueue_id
+    RETURNING w.workqueue_id, w.properties, w.state, w.expires <= now() AS expired, w.body_id
+)
+SELECT got.workqueue_id, got.properties, got.state, got.expired, b.header, b.body,
+       (SELECT count(*) FROM pepsi.workqueue
+        WHERE stage = %(stage)s AND status = 'pending') - 1 AS ready
+FROM got LEFT JOIN pepsi.workqueue_body b ON b.body_id = got.body_id;
+
+-- name: amqp_settle
+-- Consumers' outcomes, many per commit: acked rows are deleted; returned ones
+-- (nack/reject with requeue, a closed channel) go back to pending at their place
+-- with the redelivered mark and one more delivery; unsent ones (claimed for a
+-- consumer that went away first) go back untouched. Only rows still running.
+WITH acked AS (
+    DELETE FROM pepsi.workqueue
+    WHERE workqueue_id = ANY(%(acked)s::bigint[]) AND status = 'running'
+    RETURNING 1
+), returned AS (
+    UPDATE pepsi.workqueue
+    SET status = 'pending',
+        state = state || jsonb_build_object(
+            'redelivered', true,
+            'delivery_count', coalesce((state ->> 'delivery_count')::bigint, 0) + 1)
+    WHERE workqueue_id = ANY(%(returned)s::bigint[]) AND status = 'running'
+    RETURNING 1
+), unsent AS (
+    UPDATE pepsi.workqueue SET status = 'pending'
+    WHERE workqueue_id = ANY(%(unsent)s::bigint[]) AND status = 'running'
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM acked), (SELECT count(*) FROM returned),
+       (SELECT count(*) FROM unsent);
+
+-- name: amqp_dead_letter
+-- Dead-lettering (rejected without requeue, over the delivery limit, expired at
+-- delivery): each running row is copied to the stages its queue's dead-letter
+-- exchange routes it to (new rows, so they join those queues at the tail, sharing
+-- the body), with the x-death history in state and the new exchange and routing
+-- key in properties, and the original is deleted. A row routed nowhere (no
+-- dead-letter exchange, or it routes to no queue) is kept as failed, with the
+-- reason, where RabbitMQ would drop it: Pepsi loses nothing silently.
+WITH d AS (
+    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb)
+        AS d(workqueue_id bigint, stages text[], state jsonb, properties jsonb, reason text)
+), src AS (
+    SELECT w.* FROM pepsi.workqueue w JOIN d USING (workqueue_id)
+    WHERE w.status = 'running'
+    FOR UPDATE OF w
+), copies AS (
+    INSERT INTO pepsi.workqueue (stage, message_id, sender, recipients, origin_user,
+                                 origin_peer, header_from, subject, content_type,
+                                 correlation_id, properties, state, body_id)
+    SELECT s.stage, src.message_id, src.sender, src.recipients, src.origin_user,
+           src.origin_peer, src.header_from, src.subject, src.content_type,
+           src.correlation_id, d.properties, d.state, src.body_id
+    FROM src JOIN d USING (workqueue_id)
+    CROSS JOIN LATERAL unnest(d.stages) WITH ORDINALITY AS s(stage, n)
+    ORDER BY src.workqueue_id, s.n
+    RETURNING 1
+), moved AS (
+    DELETE FROM pepsi.workqueue w USING d
+    WHERE w.workqueue_id = d.workqueue_id AND w.status = 'running'
+      AND cardinality(d.stages) > 0
+    RETURNING 1
+), failed AS (
+    UPDATE pepsi.workqueue w
+    SET status = 'failed', expires = NULL, timeout = NULL,
+        state = d.state || jsonb_build_object(
+            'last_error', 'dead-lettered: ' || d.reason,
+            'failed_stage', w.stage,
+            'failure_class', d.reason,
+            'dead_letter_reason', d.reason)
+    FROM d
+    WHERE w.workqueue_id = d.workqueue_id AND w.status = 'running'
+      AND cardinality(d.stages) = 0
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM copies), (SELECT count(*) FROM moved),
+       (SELECT count(*) FROM failed);
+
+-- name: amqp_dead_letter_load
+-- The rows about to be dead-lettered, locked until amqp_dead_letter has moved them.
+SELECT w.workqueue_id, w.stage, w.properties, w.state, b.header
+FROM pepsi.workqueue w LEFT JOIN pepsi.workqueue_body b ON b.body_id = w.body_id
+WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running'
+FOR UPDATE OF w;

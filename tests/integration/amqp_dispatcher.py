@@ -1,0 +1,65 @@
+"""A real dispatcher, in this process on its own event loop thread, serving AMQP on an
+ephemeral port: the claim that feeds AMQP consumers is the dispatcher's (A-1), so the
+consuming tests need one. No stage of its own unless the test gives a configuration."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from pepsi.config.parse import parse_config, parse_ini
+from pepsi.dispatch.coordinator import Dispatcher
+
+BASE = "[pepsi-amqp]\nLISTEN = 127.0.0.1:0\nHEARTBEAT = 0\n[pepsi-dispatch]\nPOLL_INTERVAL = 1s\n"
+
+
+class DispatcherThread:
+    def __init__(self, dsn: str, extra: str = "", path: Path | None = None) -> None:
+        config = parse_config(parse_ini(BASE + extra, "test"), path)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.dispatcher: Dispatcher = self.run(lambda: Dispatcher(config, dsn))
+        self.done: Future[int] = asyncio.run_coroutine_threadsafe(
+            self.dispatcher.serve(signals=False), self.loop
+        )
+        deadline = time.monotonic() + 30
+        while self.dispatcher.amqp is None:
+            if self.done.done():
+                self.done.result()  # raises what stopped it
+            if time.monotonic() > deadline:
+                raise TimeoutError("the dispatcher did not start listening")
+            time.sleep(0.01)
+        self.port = self.dispatcher.amqp.address[1]
+
+    def run(self, fn: Any) -> Any:
+        """`fn()` on the loop's thread; its result here."""
+        future: Future[Any] = Future()
+
+        def call() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001  # handed back to the test thread
+                future.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(call)
+        return future.result(timeout=30)
+
+    @property
+    def deliverer(self) -> Any:
+        broker = self.dispatcher.amqp_broker
+        assert broker is not None
+        return broker.deliverer
+
+    def stop(self) -> int:
+        if not self.done.done():
+            self.loop.call_soon_threadsafe(self.dispatcher.request_stop)
+        code = self.done.result(timeout=60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+        return code

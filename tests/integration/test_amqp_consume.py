@@ -1,0 +1,385 @@
+"""The AMQP broker, part 2 (issue 16): consuming. pika against a real dispatcher in this
+process (its one claim feeds the consumers, A-1) and the test database; outcomes are
+checked where they land, in pepsi.workqueue."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pika
+import pika.exceptions
+import psycopg
+import pytest
+from pika.adapters.blocking_connection import BlockingChannel
+from pika.spec import BasicProperties
+
+from pepsi.admin import amqp_users
+from tests.integration.amqp_dispatcher import DispatcherThread
+from tests.integration.amqp_harness import PASSWORD, assert_no_server_bugs
+from tests.scenarios.conftest import wait_until
+
+Conn = psycopg.Connection[Any]
+Message = tuple[Any, BasicProperties, bytes]
+
+
+@pytest.fixture(autouse=True)
+def no_server_bugs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    yield
+    assert_no_server_bugs(caplog, tracebacks_only=True)
+
+
+@pytest.fixture
+def broker(dsn: str, conn: Conn) -> Iterator[DispatcherThread]:
+    amqp_users.add_user(conn, "alice", PASSWORD)
+    amqp_users.set_permissions(conn, "alice", ".*", ".*", ".*")
+    server = DispatcherThread(dsn)
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture
+def amqp(broker: DispatcherThread) -> Iterator[Callable[[], pika.BlockingConnection]]:
+    opened: list[pika.BlockingConnection] = []
+
+    def connect() -> pika.BlockingConnection:
+        connection = pika.BlockingConnection(
+            pika.ConnectionParameters(
+                "127.0.0.1", broker.port, credentials=pika.PlainCredentials("alice", PASSWORD)
+            )
+        )
+        opened.append(connection)
+        return connection
+
+    yield connect
+    for connection in opened:
+        if connection.is_open:
+            with contextlib.suppress(pika.exceptions.AMQPError):  # one a test broke
+                connection.close()
+
+
+def rows(conn: Conn, queue: str) -> dict[str, int]:
+    """The queue's rows by status."""
+    found = conn.execute(
+        "SELECT status::text, count(*) FROM pepsi.workqueue WHERE stage = %s GROUP BY 1",
+        (f"amqp:/:{queue}",),
+    ).fetchall()
+    return {status: int(n) for status, n in found}
+
+
+def publish(channel: BlockingChannel, queue: str, bodies: list[bytes], **props: Any) -> None:
+    channel.confirm_delivery()
+    for body in bodies:
+        channel.basic_publish("", queue, body, BasicProperties(**props))
+
+
+def receive(connection: pika.BlockingConnection, got: list[Any], n: int, what: str) -> None:
+    """Let pika dispatch deliveries until `got` holds `n`."""
+
+    def enough() -> bool:
+        connection.process_data_events(time_limit=0.05)
+        return len(got) >= n
+
+    wait_until(enough, what=what)
+
+
+def test_manual_ack_consumer_gets_every_message_in_order_and_acks_delete_them(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn
+) -> None:
+    connection = amqp()
+    channel = connection.channel()
+    channel.queue_declare("orders")
+    bodies = [f"m{i}".encode() for i in range(50)]
+    publish(channel, "orders", bodies, headers={"k": 1}, content_type="text/plain")
+    got: list[Message] = []
+    channel.basic_consume("orders", lambda ch, m, p, b: got.append((m, p, b)))
+    receive(connection, got, 50, "50 deliveries")
+    assert [b for _, _, b in got] == bodies
+    method, props, _ = got[0]
+    assert (method.exchange, method.routing_key, method.redelivered) == ("", "orders", False)
+    assert (props.headers, props.content_type) == ({"k": 1}, "text/plain")
+    assert [m.delivery_tag for m, _, _ in got] == list(range(1, 51))
+    assert rows(conn, "orders") == {"running": 50}
+    channel.basic_ack(got[24][0].delivery_tag, multiple=True)  # 1..25
+    channel.basic_ack(got[30][0].delivery_tag)
+    wait_until(lambda: rows(conn, "orders") == {"running": 24}, what="26 acks written")
+    channel.basic_ack(0, multiple=True)  # everything outstanding
+    wait_until(lambda: rows(conn, "orders") == {}, what="the queue to be empty")
+
+
+def test_prefetch_bounds_unacked_deliveries(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn, broker: DispatcherThread
+) -> None:
+    connection = amqp()
+    channel = connection.channel()
+    channel.queue_declare("work")
+    publish(channel, "work", [b"%d" % i for i in range(10)])
+    channel.basic_qos(prefetch_count=3)
+    got: list[Message] = []
+    channel.basic_consume("work", lambda ch, m, p, b: got.append((m, p, b)))
+    receive(connection, got, 3, "three deliveries")
+    # no credit left: the dispatcher claims nothing more, so nothing more is sent
+    assert broker.run(broker.deliverer.capacities) == {}
+    assert rows(conn, "work") == {"running": 3, "pending": 7}
+    connection.process_data_events(time_limit=0.2)
+    assert len(got) == 3
+    channel.basic_ack(got[0][0].delivery_tag)
+    receive(connection, got, 4, "one more after an ack")
+    assert [b for _, _, b in got] == [b"0", b"1", b"2", b"3"]
+
+
+def test_nack_with_requeue_redelivers_at_its_place_with_a_delivery_count(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn
+) -> None:
+    connection = amqp()
+    channel = connection.channel()
+    channel.queue_declare("q", durable=True, arguments={"x-queue-type": "quorum"})
+    publish(channel, "q", [b"first", b"second"])
+    method, _, body = channel.basic_get("q")
+    assert (body, method.redelivered, method.message_count) == (b"first", False, 1)
+    channel.basic_nack(method.delivery_tag, requeue=True)
+    wait_until(lambda: rows(conn, "q") == {"pending": 2}, what="the nack to be written")
+    method, props, body = channel.basic_get("q")
+    assert body == b"first"  # back to its original position
+    assert method.redelivered
+    assert props.headers == {"x-delivery-count": 1}
+    channel.basic_reject(method.delivery_tag, requeue=True)
+    wait_until(lambda: rows(conn, "q") == {"pending": 2}, what="the reject to be written")
+    method, props, body = channel.basic_get("q", auto_ack=True)
+    assert (body, props.headers) == (b"first", {"x-delivery-count": 2})
+    assert channel.basic_get("q", auto_ack=True)[2] == b"second"
+    assert channel.basic_get("q") == (None, None, None)
+    wait_until(lambda: rows(conn, "q") == {}, what="the no-ack gets to be written")
+
+
+def test_reject_without_requeue_dead_letters_with_x_death(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn
+) -> None:
+    connection = amqp()
+    channel = connection.channel()
+    channel.exchange_declare("dlx", "fanout")
+    channel.queue_declare("dead")
+    channel.queue_bind("dead", "dlx")
+    channel.queue_declare("live", arguments={"x-dead-letter-exchange": "dlx"})
+    channel.queue_declare("nowhere")  # no dead-letter exchange
+    publish(channel, "live", [b"poison"], headers={"app": "x"})
+    publish(channel, "nowhere", [b"dropped"])
+    method, _, _ = channel.basic_get("live")
+    channel.basic_reject(method.delivery_tag, requeue=False)
+    method, _, _ = channel.basic_get("nowhere")
+    channel.basic_nack(method.delivery_tag, requeue=False)
+    wait_until(lambda: rows(conn, "dead") == {"pending": 1}, what="the dead letter")
+    method, props, body = channel.basic_get("dead", auto_ack=True)
+    assert body == b"poison"
+    assert (method.exchange, method.routing_key) == ("dlx", "live")
+    death = props.headers["x-death"]
+    assert len(death) == 1
+    assert {k: death[0][k] for k in ("count", "reason", "queue", "exchange")} == {
+        "count": 1,
+        "reason": b"rejected" if isinstance(death[0]["reason"], bytes) else "rejected",
+        "queue": "live",
+        "exchange": "",
+    }
+    assert death[0]["routing-keys"] == ["live"]
+    assert props.headers["app"] == "x"
+    assert props.headers["x-first-death-reason"] == "rejected"
+    assert rows(conn, "live") == {}
+    # without a dead-letter exchange RabbitMQ drops it; Pepsi keeps it as failed
+    wait_until(lambda: rows(conn, "nowhere") == {"failed": 1}, what="the failed row")
+
+
+def test_delivery_limit_dead_letters_a_poison_message(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn
+) -> None:
+    connection = amqp()
+    channel = connection.channel()
+    channel.queue_declare("parking")
+    channel.queue_declare(
+        "poison",
+        durable=True,
+        arguments={
+            "x-queue-type": "quorum",
+            "x-delivery-limit": 2,
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": "parking",
+        },
+    )
+    publish(channel, "poison", [b"boom"])
+    for attempt in range(3):  # delivered, returned: three times, then dead-lettered
+        method = wait_until(lambda: channel.basic_get("poison")[0], what=f"delivery {attempt}")
+        channel.basic_nack(method.delivery_tag, requeue=True)
+    wait_until(lambda: rows(conn, "parking") == {"pending": 1}, what="the parked message")
+    assert rows(conn, "poison") == {}
+    _, props, _ = channel.basic_get("parking", auto_ack=True)
+    assert props.headers["x-death"][0]["reason"] == "delivery_limit"
+
+
+def test_closing_a_channel_or_dropping_a_connection_requeues_its_unacked_deliveries(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn
+) -> None:
+    connection = amqp()
+    channel = connection.channel()
+    channel.queue_declare("jobs")
+    publish(channel, "jobs", [b"a", b"b", b"c"])
+    consumer_channel = connection.channel()
+    got: list[Message] = []
+    consumer_channel.basic_consume("jobs", lambda ch, m, p, b: got.append((m, p, b)))
+    receive(connection, got, 3, "three deliveries")
+    consumer_channel.basic_ack(got[1][0].delivery_tag)
+    consumer_channel.close()
+    wait_until(lambda: rows(conn, "jobs") == {"pending": 2}, what="a and c back")
+    method, _, body = channel.basic_get("jobs")
+    assert (body, method.redelivered) == (b"a", True)
+    # a connection that drops without closing: its deliveries come back too
+    other = amqp()
+    other.channel().basic_get("jobs")  # takes c, unacked
+    wait_until(lambda: rows(conn, "jobs") == {"running": 2}, what="c taken")
+    # the socket goes, no connection.close (pika's own socket, shut down under it)
+    other._impl._transport._sock.shutdown(socket.SHUT_RDWR)
+    wait_until(lambda: rows(conn, "jobs") == {"running": 1, "pending": 1}, what="c back")
+
+
+def test_unknown_delivery_tag_closes_the_channel_with_406(
+    amqp: Callable[[], pika.BlockingConnection],
+) -> None:
+    channel = amqp().channel()
+    channel.queue_declare("q")
+    channel.basic_ack(7)
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as caught:
+        channel.queue_declare("q", passive=True)  # the close arrives before its answer
+    assert caught.value.reply_code == 406
+    assert "unknown delivery tag 7" in caught.value.reply_text
+
+
+def test_no_ack_consumer_messages_are_deleted_as_they_are_sent(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn
+) -> None:
+    connection = amqp()
+    channel = connection.channel()
+    channel.queue_declare("fire")
+    publish(channel, "fire", [b"%d" % i for i in range(20)])
+    got: list[Message] = []
+    channel.basic_consume("fire", lambda ch, m, p, b: got.append((m, p, b)), auto_ack=True)
+    receive(connection, got, 20, "every message")
+    wait_until(lambda: rows(conn, "fire") == {}, what="the rows deleted")
+
+
+def test_two_consumers_take_turns_and_a_cancel_keeps_unacked_deliveries(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn
+) -> None:
+    connection = amqp()
+    channel = connection.channel()
+    channel.queue_declare("rr")
+    channel.basic_qos(prefetch_count=1)
+    first: list[Message] = []
+    second: list[Message] = []
+    tag1 = channel.basic_consume("rr", lambda ch, m, p, b: first.append((m, p, b)))
+    channel.basic_consume("rr", lambda ch, m, p, b: second.append((m, p, b)))
+    assert channel.queue_declare("rr", passive=True).method.consumer_count == 2
+    publish(channel, "rr", [b"1", b"2", b"3"])
+    wait_until(
+        lambda: connection.process_data_events(time_limit=0.05) or (first and second),
+        what="one message each",
+    )
+    assert rows(conn, "rr") == {"running": 2, "pending": 1}
+    channel.basic_cancel(tag1)
+    assert channel.queue_declare("rr", passive=True).method.consumer_count == 1
+    channel.basic_ack(first[0][0].delivery_tag)  # still the channel's to ack
+    channel.basic_ack(second[0][0].delivery_tag)
+    receive(connection, second, 2, "the third message to the remaining consumer")
+    assert second[1][2] == b"3"
+
+
+def test_exclusive_consumer_and_if_unused_delete(
+    amqp: Callable[[], pika.BlockingConnection],
+) -> None:
+    channel = amqp().channel()
+    channel.queue_declare("solo")
+    channel.basic_consume("solo", lambda *a: None, exclusive=True)
+    other = amqp().channel()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as caught:
+        other.basic_consume("solo", lambda *a: None)
+    assert caught.value.reply_code == 403
+    assert "in exclusive use" in caught.value.reply_text
+    third = amqp().channel()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as caught:
+        third.queue_delete("solo", if_unused=True)
+    assert caught.value.reply_code == 406
+
+
+def test_deleting_a_queue_cancels_its_consumers(
+    amqp: Callable[[], pika.BlockingConnection],
+) -> None:
+    connection = amqp()
+    channel = connection.channel()
+    channel.queue_declare("doomed")
+    cancelled: list[Any] = []
+    channel.add_on_cancel_callback(lambda frame: cancelled.append(frame.method.consumer_tag))
+    tag = channel.basic_consume("doomed", lambda *a: None)
+    amqp().channel().queue_delete("doomed")
+    wait_until(
+        lambda: connection.process_data_events(time_limit=0.05) or cancelled,
+        what="basic.cancel from the server",
+    )
+    assert cancelled == [tag]
+
+
+def test_an_auto_delete_queue_goes_with_its_last_consumer(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn
+) -> None:
+    channel = amqp().channel()
+    channel.queue_declare("temp", auto_delete=True)
+    tag = channel.basic_consume("temp", lambda *a: None)
+    channel.basic_cancel(tag)
+
+    def gone() -> bool:
+        row = conn.execute("SELECT count(*) FROM pepsi.amqp_queue WHERE name = 'temp'")
+        return row.fetchone() == (0,)
+
+    wait_until(gone, what="the queue to be deleted")
+
+
+def test_recover_requeues_unacked_and_prefetch_size_is_not_implemented(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn
+) -> None:
+    connection = amqp()
+    channel = connection.channel()
+    channel.queue_declare("r")
+    publish(channel, "r", [b"x"])
+    channel.basic_get("r")
+    channel.basic_recover(requeue=True)
+    wait_until(lambda: rows(conn, "r") == {"pending": 1}, what="the recover")
+    method, _, _ = channel.basic_get("r", auto_ack=True)
+    assert method.redelivered
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as caught:
+        channel.basic_qos(prefetch_size=10)
+    assert caught.value.reply_code == 540
+
+
+def test_unacked_deliveries_are_redelivered_after_a_dispatcher_restart(
+    dsn: str, conn: Conn
+) -> None:
+    amqp_users.add_user(conn, "alice", PASSWORD)
+    amqp_users.set_permissions(conn, "alice", ".*", ".*", ".*")
+    credentials = pika.PlainCredentials("alice", PASSWORD)
+    first = DispatcherThread(dsn)
+    connection = pika.BlockingConnection(
+        pika.ConnectionParameters("127.0.0.1", first.port, credentials=credentials)
+    )
+    channel = connection.channel()
+    channel.queue_declare("durable")
+    publish(channel, "durable", [b"kept"])
+    assert channel.basic_get("durable")[2] == b"kept"  # unacked when the broker stops
+    assert first.stop() == 0
+    second = DispatcherThread(dsn)
+    try:
+        connection = pika.BlockingConnection(
+            pika.ConnectionParameters("127.0.0.1", second.port, credentials=credentials)
+        )
+        method, _, body = connection.channel().basic_get("durable", auto_ack=True)
+        assert (body, method.redelivered) == (b"kept", True)
+        connection.close()
+    finally:
+        assert second.stop() == 0
