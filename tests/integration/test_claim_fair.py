@@ -121,6 +121,15 @@ def test_everything_pending_fits_in_one_claim(conn: Conn) -> None:
     ).fetchone() == (0,)
 
 
+def test_a_lone_sender_gets_its_oldest_rows_whatever_its_lag(conn: Conn) -> None:
+    """One pending sender: the ranking would take its oldest rows; the claim does, at once."""
+    ids = insert(conn, "s", ["solo"] * 50)
+    claimed, start = claim(conn, "s", 20, fifo=5, lags={"user:solo": 1000.0})
+    assert claimed == ids[:20]
+    assert start == ""
+    assert claim(conn, "s", 20)[0] == ids[20:40]
+
+
 def test_oldest_row_is_never_starved_by_new_senders(conn: Conn) -> None:
     """A heavily served sender's row, behind a stream of new level senders."""
     (old,) = insert(conn, "s", ["heavy"])

@@ -706,6 +706,12 @@ BEGIN
         END IF;
         next_starts := next_starts || CASE WHEN cardinality(senders) >= max_senders
                                            THEN senders[cardinality(senders)] ELSE '' END;
+        -- One sender waiting (one producer, the common case): its oldest rows are
+        -- the stage's oldest, whatever its lag: the ranking would choose them.
+        IF cardinality(senders) = 1 THEN
+            picked := picked || chosen[1:caps[i]];
+            CONTINUE;
+        END IF;
         -- How many of each sender's oldest rows can matter, from the lags
         -- alone: the caps[i] smallest of the virtual scores lag + k × average
         -- (k ≤ caps[i]) lie under a threshold, and a sender's rows scoring
