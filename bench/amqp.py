@@ -1,29 +1,31 @@
-"""AMQP publish throughput: pika with a confirm window, Pepsi next to RabbitMQ (issue 16).
+"""AMQP throughput: pika publishing with a confirm window, then consuming with manual
+acks, Pepsi next to RabbitMQ (issue 16).
 
-    .venv/bin/python bench/amqp.py [--messages 20000] [--window 1000] [--reps 3]
+    .venv/bin/python bench/amqp.py [--messages 20000] [--window 1000] [--prefetch 100]
+                                   [--reps 3]
 
 Persistent 1 KB messages published with pika's asynchronous SelectConnection,
 at most --window unconfirmed (acks with multiple=True free the window), to one
 queue through the default exchange; the rate counts from the first publish to
-the last ack. Against:
+the last confirm. Then one consumer takes them back with basic.qos --prefetch
+and one basic.ack per message; the rate counts from consume-ok to the last
+delivery. Against:
 
-- Pepsi: the listener with its broker in a process of its own (so that client
-  and server do not share one interpreter), on a scratch database
-  `pepsi_bench_amqp` of the embedded (or $PEPSI_DSN) server; a classic queue
-  (every Pepsi queue is a durable stage);
+- Pepsi: `pepsi dispatch` with its default configuration plus `[pepsi-amqp]
+  LISTEN` (the dispatcher's claim feeds AMQP consumers), in a process of its
+  own, on a scratch database `pepsi_bench_amqp` of the embedded (or
+  $PEPSI_DSN) server; a classic queue (every Pepsi queue is a durable stage);
 - RabbitMQ, when `rabbitmq-server` is installed and starts: a node of its own
   in a temporary directory on a free port, a quorum queue. Nothing is installed;
   RabbitMQ is skipped when absent.
 
-Consuming is not measured yet (the broker's consumers come next). Runs
-alternate between the brokers; the median counts. Prints one JSON document
+Runs alternate between the brokers; the median counts. Prints one JSON document
 and a summary line.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -129,7 +131,7 @@ class WindowedPublisher:
         self.confirmed += len(done)
         if self.confirmed >= self.count:
             self.finished = time.perf_counter()
-            self.channel.queue_delete(self.queue, callback=lambda _: self.connection.close())
+            self.connection.close()  # the queue stays full for the consumer
             self.connection.ioloop.call_later(5, self.connection.ioloop.stop)
             return
         self._fill()
@@ -140,26 +142,62 @@ class WindowedPublisher:
         self.connection.ioloop.stop()
 
 
+class AckingConsumer:
+    """Consume `count` messages with basic.qos(prefetch) and one ack each; time consume-ok to
+    the last delivery; then delete the queue."""
+
+    def __init__(self, params: pika.ConnectionParameters, queue: str, count: int,
+                 prefetch: int) -> None:  # fmt: skip
+        self.params, self.queue, self.count, self.prefetch = params, queue, count, prefetch
+        self.received = 0
+        self.redelivered = 0
+        self.started = self.finished = 0.0
+        self.error: str | None = None
+
+    def run(self) -> dict[str, Any]:
+        self.connection = SelectConnection(
+            self.params, on_open_callback=self._opened, on_open_error_callback=self._failed
+        )
+        self.connection.ioloop.start()
+        if self.error:
+            raise RuntimeError(self.error)
+        seconds = self.finished - self.started
+        rate = round(self.count / seconds, 1)
+        return {"messages": self.count, "seconds": round(seconds, 3), "per_s": rate,
+                "redelivered": self.redelivered}  # fmt: skip
+
+    def _failed(self, _: Any, error: Any) -> None:
+        self.error = f"connection failed: {error}"
+        self.connection.ioloop.stop()
+
+    def _opened(self, connection: Any) -> None:
+        connection.channel(on_open_callback=self._channel)
+
+    def _channel(self, channel: Any) -> None:
+        self.channel = channel
+        channel.add_on_close_callback(self._channel_closed)
+        channel.basic_qos(prefetch_count=self.prefetch, callback=self._qos)
+
+    def _qos(self, _: Any) -> None:
+        self.started = time.perf_counter()
+        self.channel.basic_consume(self.queue, self._deliver)
+
+    def _deliver(self, channel: Any, method: Any, _: Any, body: bytes) -> None:
+        channel.basic_ack(method.delivery_tag)
+        self.received += 1
+        self.redelivered += bool(method.redelivered)
+        if self.received == self.count:
+            self.finished = time.perf_counter()
+            channel.queue_delete(self.queue, callback=lambda _: self.connection.close())
+            self.connection.ioloop.call_later(5, self.connection.ioloop.stop)
+
+    def _channel_closed(self, _: Any, reason: Any) -> None:
+        if self.received < self.count:
+            self.error = f"channel closed: {reason}"
+        self.connection.ioloop.stop()
+
+
 # -- the brokers ---------------------------------------------------------------------------
-
-
-def serve_pepsi(dsn: str, port: int) -> None:
-    """`--serve`: the listener and broker, until killed."""
-    from pepsi.amqp.broker import Broker  # noqa: PLC0415
-    from pepsi.amqp.connection import ConnectionOptions  # noqa: PLC0415
-    from pepsi.amqp.server import serve  # noqa: PLC0415
-
-    async def main() -> None:
-        broker = Broker(dsn, 10.0)
-        server = await serve(("127.0.0.1", port), ConnectionOptions(), dsn, 10.0, broker)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await server.stop()
-            await broker.close()
-
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main())
 
 
 @contextlib.contextmanager
@@ -173,16 +211,23 @@ def pepsi_broker() -> Iterator[pika.ConnectionParameters]:
         amqp_users.add_user(conn, USER, PASSWORD)
         amqp_users.set_permissions(conn, USER, ".*", ".*", ".*")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", dsn, str(port)])
-    try:
-        if not wait_port(port, 30):
-            raise RuntimeError("the Pepsi listener did not start")
-        yield pika.ConnectionParameters(
-            "127.0.0.1", port, credentials=pika.PlainCredentials(USER, PASSWORD)
+    with tempfile.TemporaryDirectory(prefix="pepsi-bench-amqp-") as tmp:
+        conf = Path(tmp, "pepsi.conf")
+        conf.write_text(f"[pepsi-amqp]\nLISTEN = 127.0.0.1:{port}\n")
+        pepsi = Path(sys.executable).with_name("pepsi")
+        proc = subprocess.Popen(
+            [str(pepsi), "-c", str(conf), "-L", "warning", "dispatch", "serve"],
+            env={**os.environ, "PEPSI_DSN": dsn},
         )
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        try:
+            if not wait_port(port, 30):
+                raise RuntimeError("the Pepsi dispatcher did not start listening")
+            yield pika.ConnectionParameters(
+                "127.0.0.1", port, credentials=pika.PlainCredentials(USER, PASSWORD)
+            )
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
 
 
 @contextlib.contextmanager
@@ -208,6 +253,9 @@ def rabbitmq_broker() -> Iterator[pika.ConnectionParameters | None]:
             "RABBITMQ_PID_FILE": f"{tmp}/pid",
             "RABBITMQ_ENABLED_PLUGINS_FILE": f"{tmp}/enabled_plugins",
             "HOME": tmp,
+            # Idle schedulers of the Erlang VM spin before they sleep, taking CPU from
+            # Pepsi's runs on a shared machine; RabbitMQ's advice for shared hosts.
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "+sbwt none +sbwtdcpu none +sbwtdio none",
         }
         for sub in ("mnesia", "log"):
             Path(tmp, sub).mkdir()
@@ -236,47 +284,60 @@ def rabbitmq_broker() -> Iterator[pika.ConnectionParameters | None]:
 
 
 def main() -> int:
-    if len(sys.argv) == 4 and sys.argv[1] == "--serve":
-        serve_pepsi(sys.argv[2], int(sys.argv[3]))
-        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--window", type=int, default=1000)
+    parser.add_argument("--prefetch", type=int, default=100)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    runs: dict[str, list[dict[str, Any]]] = {"pepsi": [], "rabbitmq_quorum": []}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        "pepsi": {"publish": [], "consume": []},
+        "rabbitmq_quorum": {"publish": [], "consume": []},
+    }
+
+    def one(name: str, params: pika.ConnectionParameters, arguments: dict[str, Any]) -> None:
+        publisher = WindowedPublisher(params, "bench", arguments, args.messages, args.window)
+        runs[name]["publish"].append(publisher.run())
+        consumer = AckingConsumer(params, "bench", args.messages, args.prefetch)
+        runs[name]["consume"].append(consumer.run())
+
     with pepsi_broker() as pepsi, rabbitmq_broker() as rabbit:
         for _ in range(args.reps):
-            runs["pepsi"].append(
-                WindowedPublisher(pepsi, "bench", {}, args.messages, args.window).run()
-            )
+            one("pepsi", pepsi, {})
             if rabbit is not None:
-                quorum = {"x-queue-type": "quorum"}
-                runs["rabbitmq_quorum"].append(
-                    WindowedPublisher(rabbit, "bench", quorum, args.messages, args.window).run()
-                )
+                one("rabbitmq_quorum", rabbit, {"x-queue-type": "quorum"})
     result: dict[str, Any] = {
-        "benchmark": "amqp_publish",
+        "benchmark": "amqp",
         "messages": args.messages,
         "window": args.window,
+        "prefetch": args.prefetch,
         "body_bytes": len(BODY),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
     }
-    for name, measured in runs.items():
-        if measured:
+    for name, phases in runs.items():
+        result[name] = None
+        if phases["publish"]:
             result[name] = {
-                "per_s": statistics.median(r["per_s"] for r in measured),
-                "all_per_s": sorted(r["per_s"] for r in measured),
-                "nacked": sum(r["nacked"] for r in measured),
+                phase: {
+                    "per_s": statistics.median(r["per_s"] for r in measured),
+                    "all_per_s": sorted(r["per_s"] for r in measured),
+                }
+                for phase, measured in phases.items()
             }
-        else:
-            result[name] = None
+            result[name]["publish"]["nacked"] = sum(r["nacked"] for r in phases["publish"])
+            result[name]["consume"]["redelivered"] = sum(
+                r["redelivered"] for r in phases["consume"]
+            )
     print(json.dumps(result, indent=2))
-    pepsi_rate = result["pepsi"]["per_s"]
-    rabbit_rate = result["rabbitmq_quorum"]["per_s"] if result["rabbitmq_quorum"] else None
-    tail = f", RabbitMQ quorum {rabbit_rate:.0f}/s" if rabbit_rate else ", RabbitMQ skipped"
-    print(f"amqp publish, window {args.window}: Pepsi {pepsi_rate:.0f}/s{tail}")
+    for phase, detail in (("publish", f"window {args.window}"),
+                          ("consume", f"prefetch {args.prefetch}, manual ack")):  # fmt: skip
+        pepsi_rate = result["pepsi"][phase]["per_s"]
+        rabbit = result["rabbitmq_quorum"]
+        tail = (
+            f", RabbitMQ quorum {rabbit[phase]['per_s']:.0f}/s" if rabbit else ", RabbitMQ skipped"
+        )
+        print(f"amqp {phase}, {detail}: Pepsi {pepsi_rate:.0f}/s{tail}")
     return 0
 
 

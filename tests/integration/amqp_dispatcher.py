@@ -55,6 +55,14 @@ class DispatcherThread:
         assert broker is not None
         return broker.deliverer
 
+    def unacked_ids(self) -> set[int]:
+        """Rows delivered to a consumer (or basic.get) and not settled: the server's own
+        books. A row's status does not say it: 'running' is also a row the broker has
+        claimed to read ahead and not sent yet."""
+        return set(
+            self.run(lambda: [d.wid for b in self.deliverer.books for d in b.unacked.values()])
+        )
+
     def stop(self) -> int:
         if not self.done.done():
             self.loop.call_soon_threadsafe(self.dispatcher.request_stop)

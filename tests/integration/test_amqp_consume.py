@@ -120,9 +120,11 @@ def test_prefetch_bounds_unacked_deliveries(
     got: list[Message] = []
     channel.basic_consume("work", lambda ch, m, p, b: got.append((m, p, b)))
     receive(connection, got, 3, "three deliveries")
-    # no credit left: the dispatcher claims nothing more, so nothing more is sent
-    assert broker.run(broker.deliverer.capacities) == {}
-    assert rows(conn, "work") == {"running": 3, "pending": 7}
+    # no credit left: three delivered and unacked; the broker has read the rest ahead
+    # (claimed, loaded) and sends nothing of it
+    wait_until(lambda: rows(conn, "work") == {"running": 10}, what="the read-ahead")
+    assert len(broker.unacked_ids()) == 3
+    assert broker.run(lambda: len(broker.deliverer.ready["amqp:/:work"])) == 7
     connection.process_data_events(time_limit=0.2)
     assert len(got) == 3
     channel.basic_ack(got[0][0].delivery_tag)
@@ -267,7 +269,7 @@ def test_no_ack_consumer_messages_are_deleted_as_they_are_sent(
 
 
 def test_two_consumers_take_turns_and_a_cancel_keeps_unacked_deliveries(
-    amqp: Callable[[], pika.BlockingConnection], conn: Conn
+    amqp: Callable[[], pika.BlockingConnection], broker: DispatcherThread
 ) -> None:
     connection = amqp()
     channel = connection.channel()
@@ -283,7 +285,7 @@ def test_two_consumers_take_turns_and_a_cancel_keeps_unacked_deliveries(
         lambda: connection.process_data_events(time_limit=0.05) or (first and second),
         what="one message each",
     )
-    assert rows(conn, "rr") == {"running": 2, "pending": 1}
+    assert len(broker.unacked_ids()) == 2
     channel.basic_cancel(tag1)
     assert channel.queue_declare("rr", passive=True).method.consumer_count == 1
     channel.basic_ack(first[0][0].delivery_tag)  # still the channel's to ack
@@ -383,3 +385,43 @@ def test_unacked_deliveries_are_redelivered_after_a_dispatcher_restart(
         connection.close()
     finally:
         assert second.stop() == 0
+
+
+def test_a_channels_methods_are_ordered_a_get_sees_the_publish_before_it(
+    amqp: Callable[[], pika.BlockingConnection],
+) -> None:
+    channel = amqp().channel()
+    channel.queue_declare("ordered")
+    for i in range(20):  # no confirms: the publish is not waited for by the client
+        channel.basic_publish("", "ordered", b"%d" % i)
+        method, _, body = channel.basic_get("ordered", auto_ack=True)
+        assert body == b"%d" % i
+        assert method.message_count == 0
+    channel.basic_publish("", "ordered", b"counted")
+    assert channel.queue_declare("ordered", passive=True).method.message_count == 1
+
+
+def test_closing_a_channel_puts_its_deliveries_back_in_order_before_close_ok(
+    amqp: Callable[[], pika.BlockingConnection],
+) -> None:
+    connection = amqp()
+    channel = connection.channel()
+    channel.queue_declare("back")
+    publish(channel, "back", [b"m1", b"m2", b"m3"])
+    consumer = connection.channel()
+    consumer.basic_qos(prefetch_count=1)
+    got: list[Message] = []
+    consumer.basic_consume("back", lambda ch, m, p, b: got.append((m, p, b)))
+    receive(connection, got, 1, "the first delivery")
+    consumer.close()  # m1 unacked, m2 and m3 read ahead: all three ready again, in order
+    other = connection.channel()
+    bodies = [other.basic_get("back", auto_ack=True)[2] for _ in range(3)]
+    assert bodies == [b"m1", b"m2", b"m3"]
+
+
+def test_update_secret_is_accepted_and_the_connection_goes_on(
+    amqp: Callable[[], pika.BlockingConnection],
+) -> None:
+    connection = amqp()
+    connection.update_secret("a-new-token", "token refresh")
+    assert connection.channel().queue_declare("still-open").method.queue == "still-open"

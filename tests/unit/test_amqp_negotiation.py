@@ -227,3 +227,14 @@ def test_pepsi_amqp_bad_values_name_the_key(key: str, value: str) -> None:
 def test_the_overlay_cannot_change_the_listener() -> None:
     with pytest.raises(ConfigError, match="not reloadable"):
         merge_overlay({}, [("pepsi-amqp", "LISTEN", "0.0.0.0:5672")])
+
+
+def test_a_reply_text_longer_than_a_shortstr_is_cut_as_rabbitmq_cuts_it() -> None:
+    long_name = "q" * 300
+    close = close_for(replies.ChannelError(replies.RESOURCE_LOCKED, f"queue '{long_name}'"), 1)
+    assert len(close.text.encode()) == 255
+    assert close.text.startswith("RESOURCE_LOCKED - queue 'qqq")
+    assert close.text.endswith("...")
+    accented = close_for(replies.ChannelError(replies.NOT_FOUND, "é" * 200), 1)
+    assert len(accented.text.encode()) <= 255  # never half a character
+    accented.text.encode().decode()

@@ -45,6 +45,7 @@ from pepsi.amqp.arguments import (
 )
 from pepsi.amqp.catalogue import Catalogue, Queue, VhostView
 from pepsi.amqp.connection import Channel, ChannelHandler, Connection, close_for
+from pepsi.amqp.consumers import Delivery
 from pepsi.amqp.consuming import ConsumingChannel
 from pepsi.amqp.delivery import Deliverer
 from pepsi.amqp.permissions import Access, allowed, exchange_resource
@@ -282,7 +283,11 @@ class Broker:
             log.warning("amqp: could not delete auto-delete queue %r in %r", name, vhost)
 
     def queue_gone(self, stage: str) -> None:
-        """Server-sent basic.cancel to the consumers of a deleted queue."""
+        """Server-sent basic.cancel to the consumers of a deleted queue (its rows are gone,
+        read-ahead included)."""
+        gone = self.deliverer.drop_ready(stage)
+        if gone:
+            self.deliverer.link.consumed(stage, gone)
         for consumer in list(self.deliverer.registry.of(stage)):
             self.deliverer.registry.remove(consumer)
             owner = consumer.book.owner
@@ -478,15 +483,17 @@ class BrokerChannel(ConsumingChannel):
 
     async def queue_declare(self, method: commands.Queue.Declare) -> None:
         with self._method(method):
+            await self.in_order()  # its message_count counts this channel's publishes
             queue, count = await self._declare(method)
         self.last_queue = queue
         if not method.nowait:
-            stage = self.catalogue.cached(self.vhost)
-            consumers = (
-                self.broker.deliverer.registry.count(stage.queues[queue].stage)
-                if stage is not None and queue in stage.queues
-                else 0
-            )
+            view = self.catalogue.cached(self.vhost)
+            consumers = 0
+            if view is not None and queue in view.queues:
+                stage = view.queues[queue].stage
+                deliverer = self.broker.deliverer
+                consumers = deliverer.registry.count(stage)
+                count += len(deliverer.ready.get(stage, ()))  # read ahead: still ready
             self._reply(
                 framing.build_method(
                     commands.Queue.DeclareOk,
@@ -573,7 +580,11 @@ class BrokerChannel(ConsumingChannel):
             name = self._queue_name(str(method.queue))
             self._require(Access.READ, QUEUE, name)
             queue = self._existing_queue(await self.catalogue.view(self.vhost), name)
-            count = await self.catalogue.purge_queue(queue.stage)
+            deliverer = self.broker.deliverer
+            await self.in_order()
+            ahead = deliverer.drop_ready(queue.stage)  # read ahead: ready messages too
+            deliverer.ack(Delivery(wid, queue.stage, None, 0) for wid in ahead)
+            count = await self.catalogue.purge_queue(queue.stage) + len(ahead)
         if not method.nowait:
             self._reply(framing.build_method(commands.Queue.PurgeOk, message_count=count))
 
@@ -586,6 +597,7 @@ class BrokerChannel(ConsumingChannel):
             count = 0
             if queue is not None:  # a missing queue is deleted already (RabbitMQ: ok, 0)
                 self._check_exclusive(queue)
+                await self.in_order()
                 if method.if_unused and self.broker.deliverer.registry.count(queue.stage):
                     raise ChannelError(
                         PRECONDITION_FAILED, f"{resource('queue', name, self.vhost)} in use"
@@ -693,6 +705,7 @@ class BrokerChannel(ConsumingChannel):
         if not batcher.has_room:
             await batcher.room()
         batcher.submit(unit)
+        self.published = True
 
     async def _route(self, content: framing.Content, method: commands.Basic.Publish) -> Item:
         if method.immediate:

@@ -196,9 +196,17 @@ class Close:
     drop: bool = False
 
 
+MAX_REPLY_TEXT = 255  # reply-text is a shortstr
+
+
 def _reply_text(code: int, text: str) -> str:
+    """`NAME - text`, cut to a shortstr as RabbitMQ does (252 octets and '...')."""
     name = replies.REPLY_NAMES.get(code)
-    return f"{name} - {text}" if name else text
+    full = f"{name} - {text}" if name else text
+    data = full.encode()
+    if len(data) <= MAX_REPLY_TEXT:
+        return full
+    return data[: MAX_REPLY_TEXT - 3].decode("utf-8", "ignore") + "..."
 
 
 def close_for(error: framing.FrameError | replies.AMQPError, channel: int = 0) -> Close:
@@ -777,6 +785,11 @@ class Connection(asyncio.Protocol):
             self._tune_ok(method)
         elif isinstance(method, commands.Connection.Open) and state is State.OPEN_WAIT:
             await self._open(method)
+        elif isinstance(method, commands.Connection.UpdateSecret) and state is State.OPEN:
+            # A token refresh (OAuth 2). RabbitMQ's internal user database keeps the
+            # connection's user as it is and says ok; so does Pepsi's.
+            log.info("amqp %s: update-secret (%s): user unchanged", self.name, method.reason)
+            self.send_method(0, commands.Connection.UpdateSecretOk())
         else:
             raise replies.AMQPConnectionError(
                 replies.CHANNEL_ERROR,

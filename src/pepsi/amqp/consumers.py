@@ -2,27 +2,28 @@
 
 Pure bookkeeping for the consuming half of the broker (issue 16, A-1): AMQP
 consumers are one more kind of worker for a stage, and the dispatcher's one
-claim feeds them within their credit. This module decides how much a stage can
-take (`Registry.capacities`), which consumer gets which claimed id
-(`Registry.assign`, round robin among consumers with credit, as RabbitMQ) and
-which deliveries an ack, nack or reject settles (`ChannelBook.take`). The I/O
-(fetching bodies, sending frames, writing outcomes) is in `delivery.py`.
+claim feeds them. This module says how many ids a consumed stage should read
+ahead (`Registry.targets`), which consumer gets the next message (`Registry.pick`,
+round robin among those with credit, as RabbitMQ) and which deliveries an ack,
+nack or reject settles (`ChannelBook.take`). The I/O (claimed rows read ahead,
+frames sent, outcomes written) is in `delivery.py`.
 
 Credit follows RabbitMQ 3.x `basic.qos`: a consumer's prefetch (global=false)
 bounds its own unacked deliveries, the channel's (global=true) bounds those of
 all its consumers together, 0 means no limit. A consumer without a limit (and
-every no-ack consumer) takes at most `UNLIMITED_WINDOW` ids per claim beyond
-what it has not been sent yet, and nothing while its socket is not being read:
-the socket's back-pressure is its limit, as with RabbitMQ's credit flow.
+every no-ack consumer) is limited by its socket instead: nothing is sent while
+the client does not read, as with RabbitMQ's credit flow.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-UNLIMITED_WINDOW = 1000  # ids a consumer without a prefetch limit may have unsent
+UNLIMITED_WINDOW = 1000  # read-ahead for a consumer without a prefetch limit
+READ_AHEAD_MIN = 1000  # a consumed stage reads at least this many ahead ...
+READ_AHEAD_MAX = 2000  # ... and at most this many (claimed, loaded, not yet sent)
 
 
 class Delivery(NamedTuple):
@@ -52,22 +53,25 @@ class Consumer:
     exclusive: bool = False
     prefetch: int = 0  # its own unacked limit (basic.qos global=false); 0 = none
     unacked: int = 0  # delivered, not settled
-    reserved: int = 0  # claimed for it, not sent yet
     cancelled: bool = False
 
     def credit(self) -> int:
-        """How many more ids it may be handed now."""
+        """How many more messages it may be sent now."""
         if self.cancelled or not self.book.writable():
             return 0
         if self.no_ack:
-            return max(UNLIMITED_WINDOW - self.reserved, 0)
-        room = UNLIMITED_WINDOW - self.reserved
-        if self.prefetch:
-            room = min(room, self.prefetch - self.unacked - self.reserved)
+            return UNLIMITED_WINDOW
+        room = self.prefetch - self.unacked if self.prefetch else UNLIMITED_WINDOW
         book = self.book
         if book.prefetch_global:
-            room = min(room, book.prefetch_global - book.unacked_count - book.reserved)
+            room = min(room, book.prefetch_global - book.unacked_count)
         return max(room, 0)
+
+    def window(self) -> int:
+        """How many messages worth reading ahead for it: its prefetch window."""
+        if self.no_ack or not self.prefetch:
+            return UNLIMITED_WINDOW
+        return self.prefetch
 
 
 def _always() -> bool:
@@ -84,7 +88,6 @@ class ChannelBook:
     consumers: dict[str, Consumer] = field(default_factory=dict)
     unacked: dict[int, Delivery] = field(default_factory=dict)
     next_tag: int = 1
-    reserved: int = 0  # claimed for its consumers, not sent yet
     owner: object = None  # the channel handler that sends for it (delivery.py)
 
     @property
@@ -110,8 +113,12 @@ class ChannelBook:
             if tag == 0:
                 tags = list(self.unacked)
             else:
-                tags = [t for t in self.unacked if t <= tag]
-                if tag not in self.unacked and not tags:
+                tags = []
+                for t in self.unacked:  # in tag order: stop at the first one past `tag`
+                    if t > tag:
+                        break
+                    tags.append(t)
+                if not tags:
                     raise UnknownTag(tag)
         else:
             if tag not in self.unacked:
@@ -128,11 +135,6 @@ class ChannelBook:
         if consumer is not None:
             consumer.unacked -= 1
         return delivery
-
-
-class Assignment(NamedTuple):
-    consumer: Consumer
-    ids: list[int]
 
 
 class Registry:
@@ -170,45 +172,28 @@ class Registry:
         """x-single-active-consumer: only the oldest consumer receives."""
         return consumers[:1] if single_active else consumers
 
-    def capacities(self, single_active: Callable[[str], bool]) -> dict[str, int]:
-        """Ids each stage's consumers can take now, for the dispatcher's claim."""
-        caps: dict[str, int] = {}
-        for stage, consumers in self.stages.items():
-            total = sum(c.credit() for c in self.active(consumers, single_active(stage)))
-            if total:
-                caps[stage] = total
-        return caps
-
-    def assign(
-        self, stage: str, ids: Iterable[int], single_active: bool
-    ) -> tuple[list[Assignment], list[int]]:
-        """Claimed ids to consumers one by one, round robin among those with credit.
-
-        Returns what each consumer gets (its credit reserved) and the ids no
-        consumer could take (credit shrank while the claim ran: requeue them).
-        """
+    def target(self, stage: str, single_active: bool) -> int:
+        """How many messages the stage should have read ahead: its active consumers'
+        windows, at most READ_AHEAD_MAX."""
         consumers = self.active(self.stages.get(stage, []), single_active)
-        credit = [c.credit() for c in consumers]
-        given: list[list[int]] = [[] for _ in consumers]
-        leftover: list[int] = []
+        if not consumers:
+            return 0
+        return min(max(sum(c.window() for c in consumers), READ_AHEAD_MIN), READ_AHEAD_MAX)
+
+    def targets(self, single_active: Callable[[str], bool]) -> dict[str, int]:
+        """`target` of every consumed stage."""
+        return {stage: self.target(stage, single_active(stage)) for stage in self.stages}
+
+    def pick(self, stage: str, single_active: bool) -> Consumer | None:
+        """The next consumer in turn that has credit, or None."""
+        consumers = self.active(self.stages.get(stage, []), single_active)
         n = len(consumers)
-        turn = self._turn.get(stage, 0) % n if n else 0
-        for wid in ids:
-            for step in range(n):
-                i = (turn + step) % n
-                if credit[i] > 0:
-                    credit[i] -= 1
-                    given[i].append(wid)
-                    turn = (i + 1) % n
-                    break
-            else:
-                leftover.append(wid)
-        if n:
-            self._turn[stage] = turn
-        plan = []
-        for consumer, wids in zip(consumers, given, strict=True):
-            if wids:
-                consumer.reserved += len(wids)
-                consumer.book.reserved += len(wids)
-                plan.append(Assignment(consumer, wids))
-        return plan, leftover
+        if n == 1:  # the common case, without the turn bookkeeping
+            return consumers[0] if consumers[0].credit() > 0 else None
+        turn = self._turn.get(stage, 0)
+        for step in range(n):
+            consumer = consumers[(turn + step) % n]
+            if consumer.credit() > 0:
+                self._turn[stage] = (turn + step + 1) % n
+                return consumer
+        return None

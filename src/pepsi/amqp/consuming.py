@@ -52,7 +52,17 @@ class ConsumingChannel(ChannelHandler):
         self.book = ChannelBook(writable=connection.writable_now, owner=self)
         deliverer = self.broker.deliverer
         deliverer.books.add(self.book)
-        connection.resumed = lambda: deliverer.link.wake("amqp")  # credit again
+        connection.resumed = deliverer.pump_all  # the client reads again
+        self.published = False  # publishes since the channel last waited for their commit
+
+    async def in_order(self) -> None:
+        """Wait for what this channel did before to be written: its publishes, and every
+        consumer outcome recorded so far. A channel's methods are ordered for the client
+        (a get after a publish or a nack sees the message, as in RabbitMQ)."""
+        if self.published:
+            self.published = False
+            await self.broker.batcher.flush()
+        await self.broker.deliverer.flush()
 
     # provided by BrokerChannel
     def _method(self, method: base.Frame) -> contextlib.AbstractContextManager[None]:
@@ -77,20 +87,22 @@ class ConsumingChannel(ChannelHandler):
         self._require(Access.READ, QUEUE, name)
         return self._existing_queue(await self.broker.catalogue.view(self.vhost), name)
 
-    def send_delivery(self, consumer: Consumer, tag: int, fetched: Fetched) -> None:
-        """basic.deliver, its content header (properties as stored) and body."""
-        self.channel.send_content(
-            framing.build_method(
-                commands.Basic.Deliver,
-                consumer_tag=consumer.tag,
-                delivery_tag=tag,
-                redelivered=fetched.redelivered,
-                exchange=fetched.exchange,
-                routing_key=fetched.routing_key,
-            ),
-            fetched.raw_properties,
-            fetched.body,
+    def delivery_frames(self, consumer: Consumer, tag: int, fetched: Fetched) -> bytes:
+        """basic.deliver, its content header (properties as stored) and body frames."""
+        return framing.encode_deliver(
+            self.channel.number,
+            consumer_tag=consumer.tag,
+            delivery_tag=tag,
+            redelivered=fetched.redelivered,
+            exchange=fetched.exchange,
+            routing_key=fetched.routing_key,
+            raw_properties=fetched.raw_properties,
+            body=fetched.body,
+            frame_max=self.channel.connection.frame_max,
         )
+
+    def send_frames(self, data: bytes) -> None:
+        self.channel.connection.send(data)
 
     def server_cancel(self, consumer: Consumer) -> None:
         """Its queue was deleted: basic.cancel to a client that understands it (RabbitMQ's
@@ -118,7 +130,7 @@ class ConsumingChannel(ChannelHandler):
         else:
             self.book.prefetch_consumer = int(method.prefetch_count)
         self._reply(commands.Basic.QosOk())
-        self.broker.deliverer.link.wake("amqp")  # more credit, maybe
+        self.broker.deliverer.credit_freed(self.book)  # more credit, maybe
 
     async def basic_consume(self, method: commands.Basic.Consume) -> None:
         with self._method(method):
@@ -148,6 +160,7 @@ class ConsumingChannel(ChannelHandler):
             registry.add(consumer)
         if not method.nowait:
             self._reply(framing.build_method(commands.Basic.ConsumeOk, consumer_tag=tag))
+        self.broker.deliverer.pump(queue.stage)  # others of the queue may have read ahead
         self.broker.deliverer.link.wake("amqp")
 
     async def basic_cancel(self, method: commands.Basic.Cancel) -> None:
@@ -168,20 +181,23 @@ class ConsumingChannel(ChannelHandler):
             self.broker.spawn(self.broker.auto_delete_queue(self.vhost, queue.name))
 
     async def consumers_closed(self) -> None:
-        """The channel is gone: its consumers too, and every unacked delivery goes back."""
+        """The channel is gone: its consumers too, and every unacked delivery goes back,
+        written before channel.close-ok is sent (the client may look at once)."""
         for consumer in list(self.book.consumers.values()):
             self._cancel(consumer)
         deliverer = self.broker.deliverer
         returned = self.book.take_all()
+        deliverer.books.discard(self.book)
         if returned:
             deliverer.requeue(returned)
-        deliverer.books.discard(self.book)
+            await deliverer.flush()
 
     # ---- get -----------------------------------------------------------------------------
 
     async def basic_get(self, method: commands.Basic.Get) -> None:
         with self._method(method):
             queue = await self._readable_queue(str(method.queue))
+            await self.in_order()
             got = await self.broker.deliverer.get(queue)
         if got is None:
             self._reply(commands.Basic.GetEmpty())
@@ -210,7 +226,9 @@ class ConsumingChannel(ChannelHandler):
 
     async def basic_ack(self, method: commands.Basic.Ack) -> None:
         deliveries = self._take(int(method.delivery_tag), bool(method.multiple), type(method))
-        self.broker.deliverer.ack(deliveries)
+        deliverer = self.broker.deliverer
+        deliverer.ack(deliveries)
+        deliverer.credit_freed(self.book)
 
     async def basic_nack(self, method: commands.Basic.Nack) -> None:
         deliveries = self._take(int(method.delivery_tag), bool(method.multiple), type(method))
@@ -221,10 +239,12 @@ class ConsumingChannel(ChannelHandler):
         self._return_or_reject(deliveries, bool(method.requeue))
 
     def _return_or_reject(self, deliveries: list[Delivery], requeue: bool) -> None:
+        deliverer = self.broker.deliverer
         if requeue:
-            self.broker.deliverer.requeue(deliveries)
+            deliverer.requeue(deliveries)
         else:
-            self.broker.deliverer.reject(deliveries)
+            deliverer.reject(deliveries)
+        deliverer.credit_freed(self.book)
 
     async def basic_recover(self, method: commands.Basic.Recover) -> None:
         self._recover(method)
@@ -241,6 +261,7 @@ class ConsumingChannel(ChannelHandler):
         returned = self.book.take_all()
         if returned:
             self.broker.deliverer.requeue(returned)
+            self.broker.deliverer.credit_freed(self.book)
 
 
 __all__ = ["ConsumingChannel"]

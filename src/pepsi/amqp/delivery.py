@@ -1,18 +1,20 @@
 """Deliveries: claimed ids to basic.deliver frames, and consumers' outcomes to rows.
 
-The dispatcher's one claim (P-1, P-4) takes ids for AMQP stages within the
-credit `consumers.Registry` reports and hands them here (`Deliverer.deliver`).
-One task fetches their properties and bodies (one statement for everything
-claimed meanwhile) and sends them; another writes what consumers decided,
-many outcomes per commit (`amqp_settle`): an ack deletes the row, a return
-puts it back to pending at its place with the redelivered mark, a reject
-without requeue dead-letters it (`amqp_dead_letter`). Credit is freed when the
-client's ack arrives, before its row is written, as in RabbitMQ: the write
-follows in the next commit, and if it is lost (database down, crash) the
-message is delivered again: at least once (SPEC R-6).
+The dispatcher's one claim (P-1, P-4) reads ahead for AMQP stages: up to their
+consumers' prefetch windows (`consumers.Registry.targets`), claimed when less
+than half of that is left, so each claim and each load is a batch. One task
+loads what was claimed (one statement for everything claimed meanwhile) into
+the stage's `ready` buffer; messages leave it for consumers as their credit
+allows (`pump`), at once when an ack frees credit, without a round trip. Another
+task writes what consumers decided, many outcomes per commit (`amqp_settle`): an
+ack deletes the row, a return puts it back to pending at its place with the
+redelivered mark, a reject without requeue dead-letters it (`amqp_dead_letter`).
+Credit is freed when the client's ack arrives, before its row is written, as in
+RabbitMQ: if the write is lost (database down, crash) the message is delivered
+again: at least once (SPEC R-6).
 
-Each connection of its own, reconnecting with the usual backoff; until the
-rows are written their ids stay in `held()`, so the dispatcher's reset of
+Each task has a connection of its own, reconnecting with the usual backoff; until
+their rows are written, ids stay in `held()`, so the dispatcher's reset of
 orphaned rows after a reconnect leaves them alone.
 """
 
@@ -23,6 +25,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -32,7 +35,7 @@ import psycopg
 from pepsi.amqp import framing, headers
 from pepsi.amqp.arguments import QUORUM
 from pepsi.amqp.catalogue import Queue
-from pepsi.amqp.consumers import Assignment, ChannelBook, Consumer, Delivery, Registry
+from pepsi.amqp.consumers import ChannelBook, Consumer, Delivery, Registry
 from pepsi.db.backoff import Backoff
 from pepsi.db.connect import connect_async
 from pepsi.db.queries import query
@@ -43,6 +46,7 @@ log = logging.getLogger("pepsi.amqp")
 APPLICATION_NAME = "pepsi-amqp-delivery"
 EMPTY_PROPERTIES = b"\x00\x00"  # a row without a stored content header: no properties
 MAX_SETTLE_BATCH = 5000  # outcomes per commit
+READ_AHEAD_BYTES = 32 * 1024 * 1024  # bodies read ahead per stage before claims pause
 
 AConn = psycopg.AsyncConnection[tuple[Any, ...]]
 
@@ -77,7 +81,9 @@ class Sender(Protocol):
 
     open: bool
 
-    def send_delivery(self, consumer: Consumer, tag: int, fetched: Fetched) -> None: ...
+    def delivery_frames(self, consumer: Consumer, tag: int, fetched: Fetched) -> bytes: ...
+
+    def send_frames(self, data: bytes) -> None: ...
 
 
 class Fetched(NamedTuple):
@@ -94,31 +100,35 @@ class Fetched(NamedTuple):
 
 
 def fetched_row(row: Sequence[Any], queue_name: str, quorum: bool = True) -> Fetched:
-    """`amqp_delivery_load`'s columns (id, properties, state, expired, header, body);
-    `quorum`: the queue counts deliveries in `x-delivery-count` (classic ones do not)."""
-    wid, properties, state, expired, header, body = row[:6]
-    properties = properties or {}
-    state = state or {}
-    count = int(state.get("delivery_count", 0) or 0)
+    """A row of `amqp_delivery_load` (or `amqp_get`): id, exchange, routing key, delivery
+    count, redelivered, x-death, first death, expired, header, body. `quorum`: the queue
+    counts deliveries in `x-delivery-count` (classic ones do not)."""
+    wid, exchange, routing_key, count, redelivered, deaths, first, expired, header, body = row[:10]
+    count = int(count or 0)
     raw = bytes(header) if header is not None else EMPTY_PROPERTIES
-    deaths = state.get("x_death")
     if (count and quorum) or deaths:
         entries: dict[str, object] = {}
         if count and quorum:
             entries["x-delivery-count"] = count
         if deaths:
-            entries.update(headers.death_headers(deaths, state.get("x_first_death")))
+            entries.update(headers.death_headers(deaths, first))
         raw = headers.set_headers(raw, entries)
     return Fetched(
         int(wid),
-        str(properties.get("exchange", "")),
-        str(properties.get("routing_key", queue_name)),
-        bool(state.get("redelivered")) or count > 0,
+        exchange or "",
+        queue_name if routing_key is None else routing_key,
+        bool(redelivered) or count > 0,
         count,
         bool(expired),
         raw,
         bytes(body) if body is not None else b"",
     )
+
+
+def id_array(ids: Iterable[int]) -> str:
+    """A bigint[] literal: psycopg dumps a list element by element in Python, thousands
+    of times a second here; one string is cheaper and means the same to `::bigint[]`."""
+    return "{" + ",".join(map(str, ids)) + "}"
 
 
 def _quorum(queue: Queue | None) -> bool:
@@ -192,15 +202,26 @@ class Deliverer:
         self.books: set[ChannelBook] = set()  # every open channel's book
         self.dead_letter_route: DeadLetterRoute | None = None
         self.delivered = 0  # messages sent (tests, the benchmark)
-        self._jobs: list[Assignment] = []
+        self.ready: dict[str, deque[Fetched]] = {}  # stage -> read ahead, not yet sent
+        self._ready_bytes: dict[str, int] = {}
+        self._claimed: list[tuple[int, str, int]] = []  # (id, stage, epoch) to be loaded
+        # Messages going back to pending are written before the stage claims again, and
+        # what was claimed before they went back is not sent before them: per stage, the
+        # returns not written yet, and a count of returns (a claim's epoch).
+        self._returning: dict[str, int] = {}
+        self._epoch: dict[str, int] = {}
+        self._loading: dict[str, int] = {}  # per stage: claimed, not in `ready` yet
         self._outcomes = Outcomes()
+        self._barriers: list[asyncio.Future[None]] = []  # flush() callers
         self._fetch_wake = asyncio.Event()
         self._settle_wake = asyncio.Event()
         self._fetch_conn: AConn | None = None
         self._settle_conn: AConn | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
-        self._in_fetch: list[int] = []  # ids of the fetch running now
+        self._in_fetch: list[int] = []  # ids of the load running now
+        self._to_pump: set[str] = set()  # stages whose consumers got credit back
+        self._pump_scheduled = False
         self._in_settle: list[int] = []  # ids of the commit running now
 
     # ---- what the dispatcher asks -------------------------------------------------------
@@ -210,33 +231,129 @@ class Deliverer:
         return queue is not None and queue.arguments.single_active_consumer
 
     def capacities(self) -> dict[str, int]:
-        """Ids each consumed stage can take now (P-6, for the one claim)."""
+        """Ids each consumed stage should claim now (P-6, for the one claim): what its
+        read-ahead lacks, once it is down to half (so claims come in batches)."""
         if self._closing:
             return {}
-        return self.registry.capacities(self.single_active)
+        caps: dict[str, int] = {}
+        for stage, target in self.registry.targets(self.single_active).items():
+            if self._returning.get(stage):
+                continue  # after they are written: they come first again
+            have = len(self.ready.get(stage, ())) + self._loading.get(stage, 0)
+            if have * 2 <= target and self._ready_bytes.get(stage, 0) < READ_AHEAD_BYTES:
+                caps[stage] = target - have
+        return caps
 
     def deliver(self, rows: Iterable[tuple[int, str]]) -> None:
-        """Claimed (id, stage) rows: to their consumers, round robin within credit."""
-        by_stage: dict[str, list[int]] = {}
-        for wid, stage in rows:
-            by_stage.setdefault(stage, []).append(wid)
-        for stage, ids in by_stage.items():
-            plan, leftover = self.registry.assign(stage, ids, self.single_active(stage))
-            self._jobs.extend(plan)
-            if leftover:  # credit shrank while the claim ran (a consumer went away)
-                self.unsent(stage, leftover)
-        if self._jobs:
+        """Claimed (id, stage) rows: loaded into their stage's read-ahead, then sent."""
+        claimed = [(wid, stage, self._epoch.get(stage, 0)) for wid, stage in rows]
+        for _, stage, _ in claimed:
+            self._loading[stage] = self._loading.get(stage, 0) + 1
+        self._claimed += claimed
+        if self._claimed:
             self._start()
             self._fetch_wake.set()
 
     def held(self) -> list[int]:
-        """Ids this side holds as running: delivered, being fetched, or being written."""
+        """Ids this side holds as running: read ahead, delivered, or being written."""
         ids = [d.wid for book in self.books for d in book.unacked.values()]
-        ids += [wid for job in self._jobs for wid in job.ids]
+        ids += [f.wid for ready in self.ready.values() for f in ready]
+        ids += [wid for wid, _, _ in self._claimed]
         ids += self._outcomes.ids()
         ids += self._in_fetch
         ids += self._in_settle
         return ids
+
+    # ---- sending ------------------------------------------------------------------------
+
+    def pump(self, stage: str) -> None:
+        """Send the stage's read-ahead to its consumers, round robin, as far as their
+        credit goes; what no consumer will take (none left) goes back to pending."""
+        ready = self.ready.get(stage)
+        if not ready:
+            return
+        registry = self.registry
+        if not registry.count(stage):
+            self._unready(stage)
+            return
+        single = self.single_active(stage)
+        frames: dict[int, tuple[Sender, list[bytes]]] = {}
+        acked: list[tuple[str, int]] = []
+        sent_bytes = 0
+        while ready:
+            consumer = registry.pick(stage, single)
+            if consumer is None:
+                break
+            fetched = ready.popleft()
+            sent_bytes += len(fetched.body)
+            book = consumer.book
+            sender: Sender = book.owner  # type: ignore[assignment]
+            tag = book.new_tag()
+            out = frames.get(id(sender))
+            if out is None:
+                out = frames[id(sender)] = (sender, [])
+            out[1].append(sender.delivery_frames(consumer, tag, fetched))
+            if consumer.no_ack:
+                acked.append((stage, fetched.wid))
+            else:
+                book.delivered(
+                    tag, Delivery(fetched.wid, stage, consumer.tag, fetched.delivery_count)
+                )
+        if not sent_bytes and not frames:
+            return
+        self._ready_bytes[stage] = self._ready_bytes.get(stage, 0) - sent_bytes
+        for sender, parts in frames.values():
+            self.delivered += len(parts)
+            sender.send_frames(b"".join(parts))
+        if acked:
+            self._outcomes.acked += acked
+            self._settle_soon()
+        have = len(ready) + self._loading.get(stage, 0)
+        if have * 2 <= registry.target(stage, single):
+            self.link.wake("amqp")  # the read-ahead is down to half: time for a claim
+
+    def pump_all(self) -> None:
+        """A client reads again: every stage's read-ahead may move."""
+        for stage in list(self.ready):
+            self.pump(stage)
+
+    def credit_freed(self, book: ChannelBook) -> None:
+        """An ack, nack, reject, recover or qos on this channel: its consumers may take
+        more. Sent once the frames read meanwhile are handled (acks come in bursts): one
+        write for the lot."""
+        for consumer in book.consumers.values():
+            self._to_pump.add(consumer.stage)
+        if not self._pump_scheduled:
+            self._pump_scheduled = True
+            asyncio.get_running_loop().call_soon(self._pump_later)
+
+    def _pump_later(self) -> None:
+        self._pump_scheduled = False
+        stages, self._to_pump = self._to_pump, set()
+        for stage in stages:
+            self.pump(stage)
+        self.link.wake("amqp")
+
+    def take_ready(self, stage: str) -> Fetched | None:
+        """basic.get on a consumed queue: the head of its read-ahead, if any."""
+        ready = self.ready.get(stage)
+        if not ready:
+            return None
+        fetched = ready.popleft()
+        self._ready_bytes[stage] = self._ready_bytes.get(stage, 0) - len(fetched.body)
+        return fetched
+
+    def drop_ready(self, stage: str) -> list[int]:
+        """queue.purge or queue.delete: the read-ahead is ready messages too; its ids."""
+        ready = self.ready.pop(stage, None) or deque()
+        self._ready_bytes.pop(stage, None)
+        return [f.wid for f in ready]
+
+    def _unready(self, stage: str) -> None:
+        """No consumer left: the read-ahead goes back to pending as it was."""
+        ids = self.drop_ready(stage)
+        if ids:
+            self.unsent(stage, ids)
 
     # ---- outcomes -----------------------------------------------------------------------
 
@@ -246,14 +363,20 @@ class Deliverer:
 
     def requeue(self, deliveries: Iterable[Delivery]) -> None:
         """Returned by the consumer (or its channel closed): redelivered later, unless the
-        queue's delivery limit is reached, then dead-lettered."""
+        queue's delivery limit is reached, then dead-lettered. The stage's read-ahead goes
+        back too, so that the returned message is first again, as in RabbitMQ."""
+        stages: set[str] = set()
         for d in deliveries:
+            stages.add(d.stage)
             queue = self.queues.get(d.stage)
             limit = queue.arguments.delivery_limit if _quorum(queue) and queue else None
             if limit is not None and d.delivery_count + 1 > limit:
                 self._outcomes.dead.append((d.stage, d.wid, "delivery_limit"))
             else:
                 self._outcomes.returned.append((d.stage, d.wid))
+                self._returned(d.stage)
+        for stage in stages:
+            self._unready(stage)
         self._settle_soon()
 
     def reject(self, deliveries: Iterable[Delivery]) -> None:
@@ -261,19 +384,42 @@ class Deliverer:
         self._settle_soon()
 
     def unsent(self, stage: str, ids: Iterable[int]) -> None:
-        self._outcomes.unsent += [(stage, wid) for wid in ids]
+        for wid in ids:
+            self._outcomes.unsent.append((stage, wid))
+            self._returned(stage)
         self._settle_soon()
+
+    def _returned(self, stage: str) -> None:
+        self._returning[stage] = self._returning.get(stage, 0) + 1
+        self._epoch[stage] = self._epoch.get(stage, 0) + 1
 
     def _settle_soon(self) -> None:
         self._start()
         self._settle_wake.set()
-        self.link.wake("amqp")  # credit was freed
+
+    async def flush(self) -> None:
+        """Return once every outcome recorded so far is written (a channel's methods are
+        ordered: a get after a nack must see the nacked message back)."""
+        if not self._outcomes and not self._in_settle:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._barriers.append(waiter)
+        self._settle_soon()
+        await waiter
 
     # ---- basic.get ----------------------------------------------------------------------
 
     async def get(self, queue: Queue) -> tuple[Fetched, int] | None:
         """Claim the queue's oldest ready message: (it, how many stay ready), or None."""
         self.queues[queue.stage] = queue
+        await self.flush()
+        stage = queue.stage
+        ahead = self.take_ready(stage)
+        if ahead is not None:  # consumers read ahead: the head of the queue is here
+            conn = await self._connection("fetch")
+            cur = await conn.execute(query("amqp_queue_message_count"), {"stage": stage})
+            row = await cur.fetchone()
+            return ahead, (int(row[0]) if row else 0) + len(self.ready.get(stage, ()))
         while True:
             conn = await self._connection("fetch")
             try:
@@ -287,7 +433,7 @@ class Deliverer:
                 return None
             fetched = fetched_row(row, queue.name, _quorum(queue))
             if not fetched.expired:
-                return fetched, max(int(row[6]), 0)
+                return fetched, max(int(row[10]), 0) + len(self.ready.get(stage, ()))
             self._outcomes.dead.append((queue.stage, fetched.wid, "expired"))
             self._settle_soon()
 
@@ -305,10 +451,8 @@ class Deliverer:
     async def close(self) -> None:
         """Write every outcome still waiting, then stop (the listener has stopped)."""
         self._closing = True
-        for job in self._jobs:  # claimed, never sent: back to pending
-            self._release(job)
-            self.unsent(job.consumer.stage, job.ids)
-        self._jobs = []
+        for stage in list(self.ready):
+            self._unready(stage)
         if self._tasks:
             self._fetch_wake.set()
             self._settle_wake.set()
@@ -337,89 +481,86 @@ class Deliverer:
             with contextlib.suppress(psycopg.Error):
                 await conn.close()
 
-    @staticmethod
-    def _release(job: Assignment) -> None:
-        consumer = job.consumer
-        consumer.reserved -= len(job.ids)
-        consumer.book.reserved -= len(job.ids)
-
     async def _fetch_loop(self) -> None:
         delays = self.backoff.delays()
         while True:
-            if not self._jobs:
+            if not self._claimed:
                 if self._closing:
                     return
                 self._fetch_wake.clear()
                 await self._fetch_wake.wait()
                 continue
-            jobs, self._jobs = self._jobs, []
-            ids = [wid for job in jobs for wid in job.ids]
+            claimed, self._claimed = self._claimed, []
+            ids = [wid for wid, _, _ in claimed]
             self._in_fetch = ids
             try:
                 conn = await self._connection("fetch")
-                cur = await conn.execute(query("amqp_delivery_load"), {"ids": ids})
+                cur = await conn.execute(query("amqp_delivery_load"), {"ids": id_array(ids)})
                 rows = {int(row[0]): row for row in await cur.fetchall()}
             except (psycopg.Error, PepsiError, OSError) as error:
                 log.error("amqp: could not load %d deliveries: %s", len(ids), one_line(error))
                 await self._drop("fetch")
-                for job in jobs:  # back to pending when the database is back
-                    self._release(job)
-                    self.unsent(job.consumer.stage, job.ids)
                 self._in_fetch = []
+                for wid, stage, _ in claimed:  # back to pending when the database is back
+                    self._loading[stage] -= 1
+                    self.unsent(stage, [wid])
                 await asyncio.sleep(next(delays))
                 continue
             delays = self.backoff.delays()
-            try:
-                for job in jobs:
-                    self._send(job, rows)
-            finally:
-                self._in_fetch = []
+            self._in_fetch = []
+            for stage in self._load(claimed, rows):
+                self.pump(stage)
 
-    def _send(self, job: Assignment, rows: Mapping[int, Sequence[Any]]) -> None:
-        self._release(job)
-        consumer = job.consumer
-        book = consumer.book
-        sender: Sender | None = book.owner  # type: ignore[assignment]
-        stage = consumer.stage
-        gone: list[int] = []
-        acked: list[tuple[str, int]] = []
-        for wid in job.ids:
+    def _load(
+        self, claimed: list[tuple[int, str, int]], rows: Mapping[int, Sequence[Any]]
+    ) -> set[str]:
+        """Loaded rows into their stages' read-ahead, in claim order; the stages."""
+        stages: set[str] = set()
+        gone: dict[str, list[int]] = {}
+        for wid, stage, epoch in claimed:
+            self._loading[stage] -= 1
             row = rows.get(wid)
             if row is None:  # purged or deleted with its queue meanwhile
-                gone.append(wid)
+                gone.setdefault(stage, []).append(wid)
                 continue
-            if consumer.cancelled or sender is None or not sender.open:
-                self._outcomes.unsent.append((stage, wid))
+            if epoch != self._epoch.get(stage, 0):  # older messages went back meanwhile
+                self.unsent(stage, [wid])
                 continue
-            fetched = fetched_row(row, consumer.queue, _quorum(self.queues.get(stage)))
+            queue = self.queues.get(stage)
+            fetched = fetched_row(row, queue.name if queue else stage, _quorum(queue))
             if fetched.expired:  # RabbitMQ never delivers an expired message
                 self._outcomes.dead.append((stage, wid, "expired"))
+                self._settle_soon()
                 continue
-            tag = book.new_tag()
-            delivery = Delivery(wid, stage, consumer.tag, fetched.delivery_count)
-            sender.send_delivery(consumer, tag, fetched)
-            self.delivered += 1
-            if consumer.no_ack:
-                acked.append((stage, wid))
-            else:
-                book.delivered(tag, delivery)
-        if gone:
-            self.link.consumed(stage, gone)
-        if acked:
-            self._outcomes.acked += acked
-        if acked or len(self._outcomes):
-            self._settle_soon()
+            ready = self.ready.get(stage)
+            if ready is None:
+                ready = self.ready[stage] = deque()
+            ready.append(fetched)
+            self._ready_bytes[stage] = self._ready_bytes.get(stage, 0) + len(fetched.body)
+            stages.add(stage)
+        for stage, ids in gone.items():
+            self.link.consumed(stage, ids)
+        for stage in [s for s, n in self._loading.items() if n <= 0]:
+            del self._loading[stage]
+        return stages
 
     async def _settle_loop(self) -> None:
         delays = self.backoff.delays()
         while True:
             if not self._outcomes:
-                if self._closing and not self._jobs:
+                waiting, self._barriers = self._barriers, []
+                for waiter in waiting:  # nothing left unwritten
+                    if not waiter.done():
+                        waiter.set_result(None)
+                if self._closing and not self._claimed:
                     return
                 self._settle_wake.clear()
                 await self._settle_wake.wait()
                 continue
             batch = self._outcomes.take(MAX_SETTLE_BATCH)
+            barriers: list[asyncio.Future[None]] = []
+            if not self._outcomes:  # everything recorded so far is in this batch
+                barriers, self._barriers = self._barriers, []
             self._in_settle = batch.ids()
             try:
                 await self._write(batch)
@@ -428,6 +569,7 @@ class Deliverer:
                     "amqp: could not record %d consumer outcomes: %s", len(batch), one_line(error)
                 )
                 self._outcomes.put_back(batch)
+                self._barriers[:0] = barriers
                 await self._drop("settle")
                 if self._closing:
                     return  # the next start resets them (they stay running): redelivered
@@ -437,6 +579,9 @@ class Deliverer:
                 self._in_settle = []
             delays = self.backoff.delays()
             self._report(batch)
+            for waiter in barriers:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     async def _write(self, batch: Outcomes) -> None:
         conn = await self._connection("settle")
@@ -445,9 +590,9 @@ class Deliverer:
                 await conn.execute(
                     query("amqp_settle"),
                     {
-                        "acked": [w for _, w in batch.acked],
-                        "returned": [w for _, w in batch.returned],
-                        "unsent": [w for _, w in batch.unsent],
+                        "acked": id_array(w for _, w in batch.acked),
+                        "returned": id_array(w for _, w in batch.returned),
+                        "unsent": id_array(w for _, w in batch.unsent),
                     },
                 )
             if batch.dead:
@@ -518,6 +663,12 @@ class Deliverer:
         }
 
     def _report(self, batch: Outcomes) -> None:
+        for stage, _ in (*batch.returned, *batch.unsent):
+            left = self._returning.get(stage, 0) - 1
+            if left > 0:
+                self._returning[stage] = left
+            else:
+                self._returning.pop(stage, None)
         for kind, pairs in (("consumed", batch.acked), ("returned", batch.returned),
                             ("returned", batch.unsent)):  # fmt: skip
             by_stage: dict[str, list[int]] = {}

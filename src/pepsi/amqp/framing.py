@@ -505,11 +505,28 @@ def _fast_publish(payload: bytes) -> commands.Basic.Publish | None:
     return method
 
 
+_ACK_INDEX: Final = commands.Basic.Ack.index
+_ACK = struct.Struct(">IQB")  # class and method ids, delivery-tag, the multiple bit
+
+
+def _fast_ack(payload: bytes) -> commands.Basic.Ack:
+    """basic.ack (one per message a consumer settles) off its fixed 13-octet layout."""
+    _, tag, bits = _ACK.unpack(payload)
+    method = commands.Basic.Ack.__new__(commands.Basic.Ack)  # no defaults, no validate
+    method.delivery_tag = tag
+    method.multiple = bool(bits & 1)
+    return method
+
+
 def _decode_method(channel: int, payload: bytes) -> MethodFrame:
-    if len(payload) >= 9 and _U32.unpack_from(payload, 0)[0] == _PUBLISH_INDEX:
-        publish = _fast_publish(payload)
-        if publish is not None:
-            return MethodFrame(channel, publish)
+    if len(payload) >= 9:
+        index = _U32.unpack_from(payload, 0)[0]
+        if index == _PUBLISH_INDEX:
+            publish = _fast_publish(payload)
+            if publish is not None:
+                return MethodFrame(channel, publish)
+        elif index == _ACK_INDEX and len(payload) == _ACK.size:
+            return MethodFrame(channel, _fast_ack(payload))
     if len(payload) < 4:
         raise FrameFormatError(
             "method frame shorter than its class and method ids", channel=channel
@@ -888,15 +905,57 @@ def encode_content(
     frame); an empty body has no body frame. The header frame is not split (the spec
     does not allow it), so properties larger than frame_max go out as they are.
     """
+    return _content(channel, encode_method(channel, method), raw_properties, body, frame_max)
+
+
+_DELIVER_INDEX: Final = _U32.pack(commands.Basic.Deliver.index)
+
+
+def _shortstr(text: str) -> bytes:
+    data = text.encode()
+    if len(data) > 255:
+        raise ValueError(f"shortstr of {len(data)} octets (at most 255)")
+    return _U8.pack(len(data)) + data
+
+
+def encode_deliver(
+    channel: int,
+    *,
+    consumer_tag: str,
+    delivery_tag: int,
+    redelivered: bool,
+    exchange: str,
+    routing_key: str,
+    raw_properties: bytes,
+    body: bytes,
+    frame_max: int,
+) -> bytes:
+    """basic.deliver with its content, as `encode_content` would write it; the method's
+    payload packed directly (one per message sent: the consuming hot path)."""
+    payload = b"".join((
+        _DELIVER_INDEX, _shortstr(consumer_tag), _U64.pack(delivery_tag),
+        b"\x01" if redelivered else b"\x00", _shortstr(exchange), _shortstr(routing_key),
+    ))  # fmt: skip
+    method = encode_frame(FRAME_METHOD, channel, payload)
+    return _content(channel, method, raw_properties, body, frame_max)
+
+
+def _content(
+    channel: int, method: bytes, raw_properties: bytes, body: bytes, frame_max: int
+) -> bytes:
     if frame_max and frame_max < FRAME_MIN_SIZE:
         raise ValueError(f"frame_max {frame_max} is below the minimum {FRAME_MIN_SIZE}")
     parts = [
-        encode_method(channel, method),
+        method,
         encode_frame(
             FRAME_HEADER, channel, _CONTENT_HEAD.pack(BASIC_CLASS_ID, 0, len(body)) + raw_properties
         ),
     ]
-    step = frame_max - FRAME_OVERHEAD if frame_max else max(len(body), 1)
+    if len(body) <= frame_max - FRAME_OVERHEAD or (not frame_max and body):
+        if body:
+            parts += (_FRAME_HEAD.pack(FRAME_BODY, channel, len(body)), body, b"\xce")
+        return b"".join(parts)
+    step = frame_max - FRAME_OVERHEAD
     view = memoryview(body)
     for start in range(0, len(body), step):
         chunk = view[start : start + step]

@@ -196,6 +196,18 @@ class Batcher:
         self._closing = False
         self._delays = self.backoff.delays()
         self._retry_at = 0.0
+        self._submitted = 0  # units submitted ...
+        self._reported = 0  # ... and reported, in the same (FIFO) order
+        self._barriers: list[tuple[int, asyncio.Future[None]]] = []
+
+    async def flush(self) -> None:
+        """Return once every unit submitted so far is committed or refused (a channel's
+        methods are ordered: a get after a publish must see the message)."""
+        if self._reported >= self._submitted:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._barriers.append((self._submitted, waiter))
+        await waiter
 
     def submit(self, unit: Unit) -> None:
         if self._closing:
@@ -206,6 +218,7 @@ class Batcher:
                 self._run(), name="amqp publish batcher"
             )
         self._queue.append(unit)
+        self._submitted += 1
         self._queued_rows += unit.rows
         if self._queued_rows > HIGH_WATER_ROWS:
             self._room.clear()
@@ -305,12 +318,20 @@ class Batcher:
         for unit in units:
             self._report(unit, error)
 
-    @staticmethod
-    def _report(unit: Unit, error: BaseException | None) -> None:
+    def _report(self, unit: Unit, error: BaseException | None) -> None:
         try:
             unit.done(unit.items, error)
         except Exception:
             log.exception("amqp: settling a publish failed")
+        self._reported += 1
+        if self._barriers and self._barriers[0][0] <= self._reported:
+            keep = []
+            for upto, waiter in self._barriers:
+                if upto > self._reported:
+                    keep.append((upto, waiter))
+                elif not waiter.done():
+                    waiter.set_result(None)
+            self._barriers = keep
 
     async def _commit(self, units: list[Unit]) -> None:
         items = [item for unit in units for item in unit.items]
