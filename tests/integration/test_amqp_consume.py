@@ -4,6 +4,7 @@ checked where they land, in pepsi.workqueue."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections.abc import Callable, Iterator
@@ -17,6 +18,9 @@ from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import BasicProperties
 
 from pepsi.admin import amqp_users
+from pepsi.amqp.publisher import Batcher, Item, Unit
+from pepsi.db.backoff import Backoff
+from pepsi.publishing.message import Row
 from tests.integration.amqp_dispatcher import DispatcherThread
 from tests.integration.amqp_harness import PASSWORD, assert_no_server_bugs
 from tests.scenarios.conftest import wait_until
@@ -425,3 +429,72 @@ def test_update_secret_is_accepted_and_the_connection_goes_on(
     connection = amqp()
     connection.update_secret("a-new-token", "token refresh")
     assert connection.channel().queue_declare("still-open").method.queue == "still-open"
+
+
+def test_pepsi_amqp_changes_reach_open_connections(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn, broker: DispatcherThread
+) -> None:
+    """NOTIFY amqp_changed: narrowed permissions apply to the next publish, none left or a
+    deleted user ends the connection (320), as rabbitmqctl does."""
+    amqp_users.add_user(conn, "bob", PASSWORD)
+    amqp_users.set_permissions(conn, "bob", ".*", ".*", ".*")
+
+    def connect(user: str) -> pika.BlockingConnection:
+        return pika.BlockingConnection(
+            pika.ConnectionParameters(
+                "127.0.0.1", broker.port, credentials=pika.PlainCredentials(user, PASSWORD)
+            )
+        )
+
+    bob = connect("bob")
+    channel = bob.channel()
+    channel.queue_declare("news")
+    channel.confirm_delivery()
+    channel.basic_publish("", "news", b"allowed")
+    amqp_users.set_permissions(conn, "bob", ".*", "^nothing$", ".*")
+    conn.commit()
+
+    codes: list[int] = []
+
+    def refused() -> bool:
+        try:
+            channel.basic_publish("", "news", b"not any more")
+        except pika.exceptions.ChannelClosedByBroker as error:
+            codes.append(error.reply_code)
+        return bool(codes)
+
+    wait_until(refused, what="the narrowed write permission")
+    assert codes == [403]
+    amqp_users.clear_permissions(conn, "bob")
+    conn.commit()
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as caught:
+        wait_until(lambda: bob.process_data_events(0.05), what="bob's close")
+    assert caught.value.reply_code == 320
+    other = connect("alice")
+    amqp_users.delete_user(conn, "alice")
+    conn.commit()
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as caught:
+        wait_until(lambda: other.process_data_events(0.05), what="alice's close")
+    assert caught.value.reply_code == 320
+    assert "user 'alice' is deleted" in caught.value.reply_text
+
+
+def test_publishes_that_cannot_be_written_block_every_connection(dsn: str) -> None:
+    """The batcher cannot reach the database: connection.blocked; back: unblocked."""
+
+    async def scenario() -> list[str | None]:
+        told: list[str | None] = []
+        batcher = Batcher("postgresql://nobody@127.0.0.1:1/none", 1.0, Backoff(0.2, 0.1))
+        batcher.on_blocked = told.append
+        done = asyncio.Event()
+        row = Row._make(("amqp:/:q", *(None,) * 14))
+        batcher.submit(Unit([Item([row])], lambda *_: done.set()))
+        await asyncio.wait_for(done.wait(), 30)
+        batcher.dsn = dsn  # the database is back
+        done.clear()
+        batcher.submit(Unit([Item([])], lambda *_: done.set()))
+        await asyncio.wait_for(done.wait(), 30)
+        await batcher.close()
+        return told
+
+    assert asyncio.run(scenario()) == ["the database is unavailable", None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import pika
 import pytest
@@ -68,4 +69,50 @@ def test_a_listen_address_in_use_is_a_one_line_configuration_error(pipeline: Pip
         dispatcher = pipeline.start()
         assert dispatcher.proc.wait(timeout=30) == 1
     assert f"[pepsi-amqp] LISTEN: cannot listen on 127.0.0.1:{port}" in dispatcher.log
+    assert "Traceback" not in dispatcher.log
+
+
+def test_the_pipeline_and_the_broker_are_one_system(pipeline: Pipeline) -> None:
+    """An AMQP publish enters a stage of pepsi.conf ([pepsi-amqp] STAGES); the stage's
+    NEXT is an AMQP queue, whose consumer gets the message with its properties."""
+    amqp_users.add_user(pipeline.db, "app", "app-secret")
+    amqp_users.set_permissions(pipeline.db, "app", ".*", ".*", ".*")
+    port = free_port()
+    pipeline.configure(
+        "[stage-validate]\nHANDLER = tests.stages:noop\nNEXT = amqp:done\n"
+        f"[pepsi-amqp]\nLISTEN = 127.0.0.1:{port}\nSTAGES = validate\n"
+    )
+    dispatcher = pipeline.start()
+    wait_until(lambda: f"amqp listening on 127.0.0.1:{port}" in dispatcher.log, what="listener")
+    connection = pika.BlockingConnection(
+        pika.ConnectionParameters(
+            "127.0.0.1", port, credentials=pika.PlainCredentials("app", "app-secret")
+        )
+    )
+    channel = connection.channel()
+    assert channel.queue_declare("validate", passive=True)  # declared by the dispatcher
+    channel.queue_declare("done")
+    channel.confirm_delivery()
+    channel.basic_publish(
+        "", "validate", b"order 1", pika.BasicProperties(message_id="o-1", headers={"n": 1})
+    )
+    got: list[tuple[Any, Any, bytes]] = []
+    channel.basic_consume("done", lambda ch, m, p, b: got.append((m, p, b)), auto_ack=True)
+    wait_until(lambda: connection.process_data_events(time_limit=0.05) or got, what="delivery")
+    method, props, body = got[0]
+    assert body == b"order 1"
+    assert (method.exchange, method.routing_key) == ("", "validate")
+    assert props.message_id == "o-1"  # the stored header, byte for byte
+    assert props.headers == {"n": 1}
+    # a message published by a Python producer into the stage reaches the queue too
+    pipeline.publish("validate", body=b"from python", message_id="p-1", content_type="text/plain")
+    wait_until(lambda: connection.process_data_events(time_limit=0.05) or len(got) > 1,
+               what="the second delivery")  # fmt: skip
+    method, props, body = got[1]
+    assert body == b"from python"
+    assert (props.message_id, props.content_type, props.delivery_mode) == ("p-1", "text/plain", 2)
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="403"):
+        channel.basic_get("validate")  # the stage's workers take its messages
+    connection.close()
+    assert dispatcher.stop() == 0
     assert "Traceback" not in dispatcher.log

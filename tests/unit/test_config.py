@@ -578,3 +578,27 @@ def test_next_that_a_builtin_never_takes_is_a_warning(tmp_path: Path) -> None:
         "[stage-a] NEXT has no effect: pepsi-stage-if goes to THEN or ELSE",
         "[stage-b] NEXT has no effect: pepsi-stage-discard never advances",
     )
+
+
+def test_a_stage_may_go_on_to_an_amqp_queue(tmp_path: Path) -> None:
+    config = load(
+        tmp_path,
+        "[stage-a]\nHANDLER = m:f\nNEXT = amqp:orders\nBOUNCE_STAGE = amqp:/b2b:dead\n"
+        "[pepsi-amqp]\nSTAGES = a\n",
+    )
+    assert config.stages["a"].next == "amqp:/:orders"
+    assert config.stages["a"].bounce_stage == "amqp:/b2b:dead"
+    assert config.amqp.stages == ("a",)
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("[stage-a]\nHANDLER = m:f\nNEXT = amqp:\n", "amqp:QUEUE"),
+        ("[stage-a]\nHANDLER = m:f\n[pepsi-amqp]\nSTAGES = a, b\n", "no stage named 'b'"),
+        ("[stage-a]\nHANDLER = m:f\n[pepsi-amqp]\nSTAGES = a:b\n", "not a stage name"),
+    ],
+)
+def test_amqp_stage_references_are_checked(tmp_path: Path, text: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        load(tmp_path, text)

@@ -318,3 +318,12 @@ def test_a_decision_is_frozen() -> None:
     decision = returned(None, message(next="b"))
     with pytest.raises(AttributeError):
         decision.status = "failed"  # type: ignore[misc]
+
+
+def test_an_advance_to_an_amqp_queue_goes_to_its_stage_in_full_form() -> None:
+    assert returned(Advance(to="amqp:orders"), message()).stage == "amqp:/:orders"
+    assert returned(Advance(to="amqp:/b2b:x:y"), message()).stage == "amqp:/b2b:x:y"
+    assert returned(None, message(next="amqp:/:done")).stage == "amqp:/:done"
+    bad = returned(Advance(to="amqp:"), message(), at(NOW))
+    assert bad.outcome != "advance"
+    assert "amqp:QUEUE" in (bad.error or "")

@@ -46,8 +46,9 @@ from pepsi.amqp.arguments import (
 from pepsi.amqp.catalogue import Catalogue, Queue, VhostView
 from pepsi.amqp.connection import Channel, ChannelHandler, Connection, close_for
 from pepsi.amqp.consumers import Delivery
-from pepsi.amqp.consuming import ConsumingChannel
+from pepsi.amqp.consuming import ConsumingChannel, stage_queue_text
 from pepsi.amqp.delivery import Deliverer
+from pepsi.amqp.expiry import Expiry, ttl_expires
 from pepsi.amqp.permissions import Access, allowed, exchange_resource
 from pepsi.amqp.publisher import Batcher, Item, Unit, group_confirms
 from pepsi.amqp.replies import (
@@ -219,8 +220,9 @@ class _Confirms:
 class Broker:
     """Exchanges, queues and publishing over PostgreSQL (see the module doc)."""
 
-    def __init__(self, dsn: str, connect_timeout: float) -> None:
-        self.catalogue = Catalogue(dsn, connect_timeout)
+    def __init__(self, dsn: str, connect_timeout: float, entries: tuple[str, ...] = ()) -> None:
+        self.entries = entries  # [pepsi-amqp] STAGES: stages that are queues of vhost /
+        self.catalogue = Catalogue(dsn, connect_timeout, {name: name for name in entries})
         self.batcher = Batcher(dsn, connect_timeout)
         self.deliverer = Deliverer(dsn, connect_timeout)
         self.deliverer.dead_letter_route = self._dead_letter_route
@@ -228,6 +230,7 @@ class Broker:
         self.exclusive: dict[tuple[str, str], Connection] = {}
         self._watched: set[int] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.expiry = Expiry(self, dsn, connect_timeout)  # x-expires, expired messages
 
     def channel_handler(self, channel: Channel) -> ChannelHandler:
         return BrokerChannel(self, channel)
@@ -253,6 +256,15 @@ class Broker:
                 self.spawn(self._delete_exclusive(mine))
 
         connection.task.add_done_callback(gone)
+
+    async def declare_entries(self) -> None:
+        """The queues of [pepsi-amqp] STAGES, in vhost / (durable, as every queue)."""
+        view = await self.catalogue.view("/")
+        for name in self.entries:
+            if name not in view.queues:
+                await self.catalogue.declare_queue(
+                    QueueDeclaration(name, "/", True, False, False, {})
+                )
 
     async def _delete_exclusive(self, queues: list[tuple[str, str]]) -> None:
         for vhost, name in queues:
@@ -314,6 +326,7 @@ class Broker:
 
     async def close(self) -> None:
         """After the server stopped: commit what is queued, then close the connections."""
+        await self.expiry.close()  # before the deliverer: it writes what expiry handed over
         await self.deliverer.close()
         await self.batcher.close()
         if self._tasks:
@@ -350,6 +363,10 @@ class BrokerChannel(ConsumingChannel):
         self.open = False
         self.tx = None
         await self.consumers_closed()
+
+    def permissions_changed(self) -> None:
+        """The user's patterns changed (`pepsi amqp permissions set`): check them afresh."""
+        self._writable.clear()
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -485,6 +502,7 @@ class BrokerChannel(ConsumingChannel):
         with self._method(method):
             await self.in_order()  # its message_count counts this channel's publishes
             queue, count = await self._declare(method)
+        self.broker.expiry.touch(self.vhost, queue)  # x-expires: a use
         self.last_queue = queue
         if not method.nowait:
             view = self.catalogue.cached(self.vhost)
@@ -597,6 +615,8 @@ class BrokerChannel(ConsumingChannel):
             count = 0
             if queue is not None:  # a missing queue is deleted already (RabbitMQ: ok, 0)
                 self._check_exclusive(queue)
+                if queue.is_stage:
+                    raise ChannelError(ACCESS_REFUSED, stage_queue_text(queue, self.vhost))
                 await self.in_order()
                 if method.if_unused and self.broker.deliverer.registry.count(queue.stage):
                     raise ChannelError(
@@ -822,9 +842,16 @@ class BrokerChannel(ConsumingChannel):
         )
         rows: list[Row] = []
         limits: dict[str, tuple[int, bool]] = {}
+        now: dt.datetime | None = None
         for name in queues:
             queue = view.queues[name]
-            rows.append(Row._make((queue.stage, *tail)))
+            ttl = queue.arguments.message_ttl
+            if ttl is None:
+                rows.append(Row._make((queue.stage, *tail)))
+            else:  # x-message-ttl: the sooner of the two expiries; a tuple of its own
+                now = now or dt.datetime.now(dt.UTC)
+                own = (*tail[:11], ttl_expires(expires, ttl, now), *tail[12:])
+                rows.append(Row._make((queue.stage, *own)))
             if queue.limit is not None:
                 limits[queue.stage] = queue.limit
         return Item(rows, limits)

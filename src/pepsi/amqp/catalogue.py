@@ -52,6 +52,12 @@ class Queue:
     def name(self) -> str:
         return self.declaration.name
 
+    @property
+    def is_stage(self) -> bool:
+        """A stage of the configuration ([pepsi-amqp] STAGES): its workers take its
+        messages, no AMQP consumer."""
+        return not self.stage.startswith("amqp:")
+
     @cached_property
     def arguments(self) -> QueueArguments:
         decl = self.declaration
@@ -116,9 +122,14 @@ def to_json(table: Mapping[str, object] | None) -> Jsonb:
 class Catalogue:
     """Reads and writes of exchanges, queues and bindings; a cached view per vhost."""
 
-    def __init__(self, dsn: str, connect_timeout: float) -> None:
+    def __init__(
+        self, dsn: str, connect_timeout: float, entries: Mapping[str, str] | None = None
+    ) -> None:
         self.dsn = dsn
         self.connect_timeout = connect_timeout
+        # Queues of vhost / that are stages of the configuration ([pepsi-amqp] STAGES):
+        # name -> stage. Their messages are rows at that stage, for its workers.
+        self.entries: Mapping[str, str] = dict(entries or {})
         self._conn: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
         self._lock = asyncio.Lock()  # one statement (or transaction) at a time
         self._views: dict[str, VhostView] = {}
@@ -211,7 +222,8 @@ class Catalogue:
             },
             {
                 str(n): Queue(
-                    QueueDeclaration(str(n), vhost, bool(d), bool(x), bool(a), args or {}), str(s)
+                    QueueDeclaration(str(n), vhost, bool(d), bool(x), bool(a), args or {}),
+                    self.entries.get(str(n), str(s)) if vhost == "/" else str(s),
                 )
                 for n, s, d, x, a, args in queues
             },

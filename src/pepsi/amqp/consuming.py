@@ -35,6 +35,13 @@ if TYPE_CHECKING:
     from pepsi.amqp.broker import Broker
 
 
+def stage_queue_text(queue: Queue, vhost: str) -> str:
+    return (
+        f"{resource('queue', queue.name, vhost)} is stage '{queue.stage}' of the pipeline"
+        " ([pepsi-amqp] STAGES): its workers take its messages"
+    )
+
+
 def _ids(method: type[base.Frame]) -> tuple[int, int]:
     return method.index >> 16, method.index & 0xFFFF
 
@@ -85,7 +92,10 @@ class ConsumingChannel(ChannelHandler):
     async def _readable_queue(self, name: str) -> Queue:
         name = self._queue_name(name)
         self._require(Access.READ, QUEUE, name)
-        return self._existing_queue(await self.broker.catalogue.view(self.vhost), name)
+        queue = self._existing_queue(await self.broker.catalogue.view(self.vhost), name)
+        if queue.is_stage:
+            raise ChannelError(ACCESS_REFUSED, stage_queue_text(queue, self.vhost))
+        return queue
 
     def delivery_frames(self, consumer: Consumer, tag: int, fetched: Fetched) -> bytes:
         """basic.deliver, its content header (properties as stored) and body frames."""
@@ -176,6 +186,7 @@ class ConsumingChannel(ChannelHandler):
         """Its unacked deliveries stay the channel's (RabbitMQ); an auto-delete queue
         whose last consumer this was goes."""
         last = self.broker.deliverer.registry.remove(consumer)
+        self.broker.expiry.touch(self.vhost, consumer.queue)  # x-expires counts from now
         queue = self.broker.deliverer.queues.get(consumer.stage)
         if last and queue is not None and queue.declaration.auto_delete:
             self.broker.spawn(self.broker.auto_delete_queue(self.vhost, queue.name))
@@ -197,6 +208,7 @@ class ConsumingChannel(ChannelHandler):
     async def basic_get(self, method: commands.Basic.Get) -> None:
         with self._method(method):
             queue = await self._readable_queue(str(method.queue))
+            self.broker.expiry.touch(self.vhost, queue.name)  # x-expires: a use
             await self.in_order()
             got = await self.broker.deliverer.get(queue)
         if got is None:

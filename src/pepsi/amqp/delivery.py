@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import psycopg
+from pamqp import commands
 
 from pepsi.amqp import framing, headers
 from pepsi.amqp.arguments import QUORUM
@@ -105,7 +106,12 @@ def fetched_row(row: Sequence[Any], queue_name: str, quorum: bool = True) -> Fet
     counts deliveries in `x-delivery-count` (classic ones do not)."""
     wid, exchange, routing_key, count, redelivered, deaths, first, expired, header, body = row[:10]
     count = int(count or 0)
-    raw = bytes(header) if header is not None else EMPTY_PROPERTIES
+    foreign = row[10]
+    if foreign is not None:  # advanced here by a stage of the pipeline: no AMQP header
+        message_id, content_type, correlation_id, properties = foreign
+        raw = pipeline_properties(message_id, content_type, correlation_id, properties, header)
+    else:
+        raw = bytes(header) if header is not None else EMPTY_PROPERTIES
     if (count and quorum) or deaths:
         entries: dict[str, object] = {}
         if count and quorum:
@@ -123,6 +129,48 @@ def fetched_row(row: Sequence[Any], queue_name: str, quorum: bool = True) -> Fet
         raw,
         bytes(body) if body is not None else b"",
     )
+
+
+def pipeline_properties(
+    message_id: str | None,
+    content_type: str | None,
+    correlation_id: str | None,
+    properties: Mapping[str, Any] | None,
+    header: bytes | None,
+) -> bytes:
+    """AMQP properties for a message a stage of the pipeline sent to an AMQP queue (NEXT
+    = amqp:QUEUE): its columns as the properties of the same name, its `properties` as
+    headers, its header block (if any) as the header `x-pepsi-header`; persistent."""
+    table: dict[str, object] = {
+        str(k): v for k, v in (properties or {}).items() if _header_value(v)
+    }
+    if header is not None:
+        table["x-pepsi-header"] = bytes(header)
+    raw = framing.encode_properties(
+        commands.Basic.Properties(
+            content_type=_short(content_type),
+            message_id=_short(message_id),
+            correlation_id=_short(correlation_id),
+            delivery_mode=2,
+        )
+    )
+    return headers.set_headers(raw, table) if table else raw
+
+
+def _short(text: str | None) -> str | None:
+    """A property that fits a shortstr, or none."""
+    return text if text is not None and len(text.encode()) <= 255 else None
+
+
+def _header_value(value: object) -> bool:
+    """JSON values a field table carries as they are (nested ones too)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return not isinstance(value, int) or -(2**63) <= value < 2**63
+    if isinstance(value, list):
+        return all(_header_value(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _header_value(v) for k, v in value.items())
+    return False
 
 
 def id_array(ids: Iterable[int]) -> str:
@@ -379,6 +427,13 @@ class Deliverer:
             self._unready(stage)
         self._settle_soon()
 
+    def dead_letter(self, queue: Queue, ids: Iterable[int], reason: str) -> None:
+        """Rows of `queue` this side has claimed itself (status running, held by no
+        consumer: an expiry sweep's) to dead-letter for `reason` with the next commit."""
+        self.queues.setdefault(queue.stage, queue)
+        self._outcomes.dead += [(queue.stage, wid, reason) for wid in ids]
+        self._settle_soon()
+
     def reject(self, deliveries: Iterable[Delivery]) -> None:
         self._outcomes.dead += [(d.stage, d.wid, "rejected") for d in deliveries]
         self._settle_soon()
@@ -433,7 +488,7 @@ class Deliverer:
                 return None
             fetched = fetched_row(row, queue.name, _quorum(queue))
             if not fetched.expired:
-                return fetched, max(int(row[10]), 0) + len(self.ready.get(stage, ()))
+                return fetched, max(int(row[11]), 0) + len(self.ready.get(stage, ()))
             self._outcomes.dead.append((queue.stage, fetched.wid, "expired"))
             self._settle_soon()
 

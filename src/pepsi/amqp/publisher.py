@@ -196,9 +196,29 @@ class Batcher:
         self._closing = False
         self._delays = self.backoff.delays()
         self._retry_at = 0.0
+        # connection.blocked for every client while publishes cannot be written (the
+        # database is unreachable) or wait above the high-water mark; None: unblocked
+        self.on_blocked: Callable[[str | None], None] = lambda _: None
+        self._down = False
+        self._blocked: str | None = None
         self._submitted = 0  # units submitted ...
         self._reported = 0  # ... and reported, in the same (FIFO) order
         self._barriers: list[tuple[int, asyncio.Future[None]]] = []
+
+    def _tell_blocked(self) -> None:
+        reason = (
+            "the database is unavailable"
+            if self._down
+            else "publishes are waiting for the database"
+            if not self._room.is_set()
+            else None
+        )
+        if reason != self._blocked:
+            self._blocked = reason
+            try:
+                self.on_blocked(reason)
+            except Exception:
+                log.exception("amqp: telling clients about back-pressure failed")
 
     async def flush(self) -> None:
         """Return once every unit submitted so far is committed or refused (a channel's
@@ -220,8 +240,9 @@ class Batcher:
         self._queue.append(unit)
         self._submitted += 1
         self._queued_rows += unit.rows
-        if self._queued_rows > HIGH_WATER_ROWS:
+        if self._queued_rows > HIGH_WATER_ROWS and self._room.is_set():
             self._room.clear()
+            self._tell_blocked()
         self._wake.set()
 
     @property
@@ -261,8 +282,9 @@ class Batcher:
         taken = queue[:count]
         del queue[:count]
         self._queued_rows -= rows
-        if self._queued_rows <= HIGH_WATER_ROWS:
+        if self._queued_rows <= HIGH_WATER_ROWS and not self._room.is_set():
             self._room.set()
+            self._tell_blocked()
         return taken
 
     async def _run(self) -> None:
@@ -302,6 +324,9 @@ class Batcher:
                 self._report(unit, error)
         else:
             self._delays = self.backoff.delays()
+            if self._down:
+                self._down = False
+                self._tell_blocked()
             self.commits += 1
             for unit in units:
                 self._report(unit, None)
@@ -314,6 +339,9 @@ class Batcher:
         if isinstance(error, psycopg.OperationalError | PepsiError | OSError):
             # the connection is gone or going: reconnect, with the backoff's pace
             await self._drop()
+            if not self._down:
+                self._down = True
+                self._tell_blocked()
             self._retry_at = asyncio.get_running_loop().time() + next(self._delays)
         for unit in units:
             self._report(unit, error)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -100,6 +102,13 @@ class Catalogue:
             )
         return permission
 
+    async def vhost_exists(self, name: str) -> bool:
+        row = await self._fetch("amqp_vhost_exists", {"name": name})
+        return bool(row and row[0])
+
+    async def user_exists(self, name: str) -> bool:
+        return await self._fetch("amqp_user_get", {"name": name}) is not None
+
     async def close(self) -> None:
         async with self._lock:
             await self._drop()
@@ -121,6 +130,7 @@ class Server:
         self.open: set[Connection] = set()  # those past connection.open-ok
         self.blocked_reason: str | None = None
         self._server: asyncio.Server | None = None
+        self._changes: set[asyncio.Task[None]] = set()
 
     def _connection(self) -> Connection:
         conn = Connection(
@@ -149,6 +159,61 @@ class Server:
         assert self._server.sockets
         name = self._server.sockets[0].getsockname()
         return str(name[0]), int(name[1])
+
+    def changed(self, payload: str) -> None:
+        """NOTIFY amqp_changed (`pepsi amqp`, the catalogue's writes): act on it soon."""
+        try:
+            change = json.loads(payload)
+        except ValueError:
+            return
+        if isinstance(change, dict):
+            task = asyncio.get_running_loop().create_task(self._apply_change(change))
+            self._changes.add(task)
+            task.add_done_callback(self._changes.discard)
+
+    async def _apply_change(self, change: dict[str, Any]) -> None:
+        """A vhost or user deleted: its connections go (320, as rabbitmqctl does); changed
+        permissions apply to the next operation, or end the connection if none are left;
+        a vhost's catalogue is read again."""
+        kind, name = change.get("kind"), str(change.get("name", ""))
+        vhost = change.get("vhost")
+        catalogue = getattr(self.broker, "catalogue", None)
+        if kind in ("catalogue", "vhost") and catalogue is not None:
+            catalogue.forget(str(vhost) if kind == "catalogue" else name)
+        try:
+            if kind == "vhost" and not await self.catalogue.vhost_exists(name):
+                self._force(lambda c: c.vhost == name, f"vhost '{name}' is deleted")
+            elif kind == "user" and not await self.catalogue.user_exists(name):
+                self._force(lambda c: c.username == name, f"user '{name}' is deleted")
+            elif kind == "permissions" and vhost is not None:
+                await self._permissions_changed(name, str(vhost))
+        except replies.AMQPError:
+            log.warning(
+                "amqp: could not apply a change of %s %r (database unavailable)", kind, name
+            )
+
+    async def _permissions_changed(self, user: str, vhost: str) -> None:
+        affected = [c for c in self.open if c.username == user and c.vhost == vhost]
+        if not affected:
+            return
+        try:
+            permission = await self.catalogue.vhost_permission(user, vhost)
+        except replies.AMQPConnectionError:  # none left (or the vhost is gone)
+            self._force(
+                lambda c: c in affected, f"access to vhost '{vhost}' refused for user '{user}'"
+            )
+            return
+        for conn in affected:
+            conn.permission = permission
+            for channel in conn.channels.values():
+                forget = getattr(channel.handler, "permissions_changed", None)
+                if forget is not None:
+                    forget()
+
+    def _force(self, which: Callable[[Connection], bool], why: str) -> None:
+        for conn in [c for c in self.open if which(c)]:
+            log.info("amqp %s: closing the connection: %s", conn.name, why)
+            conn.shutdown(f"broker forced connection closure with reason '{why}'")
 
     def set_blocked(self, reason: str | None) -> None:
         """Back-pressure starts (a reason) or ends (None): connection.blocked / unblocked

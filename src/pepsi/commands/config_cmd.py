@@ -120,10 +120,17 @@ def chains(config: Config) -> list[list[str]]:
     for entry in config.entry_stages() or list(config.stages)[:1]:
         chain: list[str] = []
         node: str | None = entry
-        while node is not None and node not in chain and not config.stages[node].routes:
+        while (
+            node is not None
+            and node in config.stages
+            and node not in chain
+            and not config.stages[node].routes
+        ):
             chain.append(node)
             node = config.stages[node].next
-        if node is not None and config.stages[node].routes and node not in chain:
+        if node is not None and node not in config.stages:
+            chain.append(f"{node} (AMQP queue)")
+        elif node is not None and config.stages[node].routes and node not in chain:
             chain.extend((node, "(routes)"))
         elif node is not None:
             chain.append(f"{node} (cycle)")

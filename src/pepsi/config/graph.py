@@ -7,6 +7,7 @@ import difflib
 from collections.abc import Mapping
 
 from pepsi.config.model import STAGE_PREFIX, RawSections, StageConfig, origin_of
+from pepsi.config.values import is_amqp_stage
 from pepsi.errors import ConfigError
 
 
@@ -17,7 +18,7 @@ def validate_graph(stages: Mapping[str, StageConfig], raw: RawSections) -> list[
         keys = raw.get(section, {})
         edges = (("NEXT", stage.next), ("BOUNCE_STAGE", stage.bounce_stage), *stage.routes)
         for key, target in edges:
-            if target is not None and target not in stages:
+            if target is not None and target not in stages and not is_amqp_stage(target):
                 hint = difflib.get_close_matches(target, list(stages), n=1)
                 raise ConfigError(
                     f"no stage named {target!r}"
@@ -105,7 +106,7 @@ def next_cycles(stages: Mapping[str, StageConfig]) -> list[list[str]]:
     for start in stages:
         path: list[str] = []
         node: str | None = start
-        while node is not None and node not in done and node not in path:
+        while node is not None and node not in done and node not in path and node in stages:
             path.append(node)
             node = stages[node].next
         if node is not None and node in path:

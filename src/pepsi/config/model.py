@@ -98,6 +98,7 @@ class AmqpOptions:
     channel_max: int = 2047  # RabbitMQ's default
     handshake_timeout: float = 10.0  # accept to connection.open-ok
     max_message_size: int = 128 * MIB  # RabbitMQ's max_message_size default
+    stages: tuple[str, ...] = ()  # stages of the file that are also queues in vhost /
 
 
 @dataclass(frozen=True)

@@ -221,6 +221,7 @@ AMQP_KEYS: Spec = {
     "CHANNEL_MAX": ("channel_max", v.integer(1, 65535)),
     "HANDSHAKE_TIMEOUT": ("handshake_timeout", v.duration(0.1)),
     "MAX_MESSAGE_SIZE": ("max_message_size", v.size(1, 512 * MIB)),
+    "STAGES": ("stages", v.stage_names),
 }
 SECTIONS: Mapping[str, Spec] = {
     "pepsi": PEPSI_KEYS,
@@ -304,6 +305,15 @@ def parse_config(raw: RawSections, path: Path | None = None) -> Config:
             section="pepsi-failure-bouncer",
             key="SINK",
         )
+    amqp = AmqpOptions(**parsed.get("pepsi-amqp", {}))
+    for name in amqp.stages:
+        if name not in stages:
+            raise ConfigError(
+                f"no stage named {name!r}",
+                file=origin_of(raw.get("pepsi-amqp", {}), "STAGES", file),
+                section="pepsi-amqp",
+                key="STAGES",
+            )
     return Config(
         path=path,
         pepsi=PepsiOptions(**parsed.get("pepsi", {})),
@@ -311,7 +321,7 @@ def parse_config(raw: RawSections, path: Path | None = None) -> Config:
         postgres=postgres,
         ingress=IngressOptions(**parsed.get("pepsi-ingress", {})),
         bouncer=bouncer,
-        amqp=AmqpOptions(**parsed.get("pepsi-amqp", {})),
+        amqp=amqp,
         stages=MappingProxyType(stages),
         warnings=tuple(warnings),
     )

@@ -90,11 +90,40 @@ def path(value: str) -> Path:
     return Path(text(value)).expanduser()
 
 
+AMQP_STAGE_PREFIX = "amqp:"
+
+
+def amqp_stage(vhost: str, queue: str) -> str:
+    """The stage of AMQP queue `queue` in `vhost` (as pepsi.amqp_queue_stage names it)."""
+    encoded = vhost.replace("%", "%25").replace(":", "%3A")
+    return f"{AMQP_STAGE_PREFIX}{encoded}:{queue}"
+
+
+def is_amqp_stage(name: str) -> bool:
+    return name.startswith(AMQP_STAGE_PREFIX)
+
+
 def stage_ref(text: str) -> str:
+    """A stage of the file, or an AMQP queue: `amqp:QUEUE` (vhost /) or `amqp:VHOST:QUEUE`."""
     value = text.strip()
+    if is_amqp_stage(value):
+        rest = value[len(AMQP_STAGE_PREFIX) :]
+        vhost, _, queue = rest.partition(":") if ":" in rest else ("/", "", rest)
+        if not vhost or not queue or len(queue.encode()) > 255 or len(vhost.encode()) > 255:
+            raise ValueError(f"expected amqp:QUEUE or amqp:VHOST:QUEUE, got {text!r}")
+        return amqp_stage(vhost, queue)
     if not STAGE_NAME.fullmatch(value):
         raise ValueError(f"not a stage name: {text!r}")
     return value
+
+
+def stage_names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of stages of the file."""
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    for name in names:
+        if not STAGE_NAME.fullmatch(name):
+            raise ValueError(f"not a stage name: {name!r}")
+    return names
 
 
 def program(value: str) -> str:

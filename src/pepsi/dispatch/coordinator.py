@@ -163,12 +163,14 @@ class Dispatcher:
         self.reload_at = 0.0
         self.wake_event.set()
 
-    def on_channel(self, channel: str) -> None:
+    def on_channel(self, channel: str, payload: str = "") -> None:
         if channel == "config_changed":
             self.request_reload()
         elif channel == "telemetry_changed":
             self.retire_requested = True
             self.wake_event.set()
+        elif channel == "amqp_changed" and self.amqp is not None:
+            self.amqp.changed(payload)
 
     def request_stop(self) -> None:
         if not self.stopping:
@@ -214,8 +216,11 @@ class Dispatcher:
         options = self.config.amqp
         if options.listen is None:
             return None
-        self.amqp_broker = AmqpBroker(self.dsn, self.config.postgres.connect_timeout)
+        self.amqp_broker = AmqpBroker(
+            self.dsn, self.config.postgres.connect_timeout, entries=options.stages
+        )
         self.amqp_broker.deliverer.link = _AmqpLink(self)
+        await self.amqp_broker.declare_entries()
         try:
             server = await amqp_server.serve(
                 options.listen,
@@ -231,6 +236,7 @@ class Dispatcher:
                 section="pepsi-amqp",
                 key="LISTEN",
             ) from None
+        self.amqp_broker.batcher.on_blocked = server.set_blocked  # connection.blocked
         host, port = server.address
         log.info("amqp listening on %s:%d", f"[{host}]" if ":" in host else host, port)
         return server

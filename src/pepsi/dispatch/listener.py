@@ -27,12 +27,12 @@ class Listener:
         self,
         options: SessionOptions,
         wake: Callable[[str], None],
-        on_channel: Callable[[str], None],
+        on_channel: Callable[[str, str], None],
         rng: Callable[[], float] = random.random,
     ) -> None:
         self.options = options
         self.wake = wake
-        self.on_channel = on_channel  # config_changed, telemetry_changed
+        self.on_channel = on_channel  # (channel, payload): config_, telemetry_, amqp_changed
         self.rng = rng  # the backoff's jitter
         self.listening = False  # since the last connection error
 
@@ -61,7 +61,7 @@ class Listener:
         options = self.options
         conn = await connect(options.dsn, "pepsi-dispatch-listen", options.connect_timeout)
         async with conn:
-            for name in ("workqueue_listen", "config_listen", "telemetry_listen"):
+            for name in ("workqueue_listen", "config_listen", "telemetry_listen", "amqp_listen"):
                 await conn.execute(query(name))
             self.listening = True
             self.wake("notify")  # a (re)connection may have missed notifications
@@ -69,4 +69,4 @@ class Listener:
                 if notify.channel == "workqueue":
                     self.wake("notify")
                 else:
-                    self.on_channel(notify.channel)
+                    self.on_channel(notify.channel, notify.payload)

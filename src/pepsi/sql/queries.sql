@@ -424,6 +424,10 @@ DELETE FROM pepsi.config_override WHERE section = %(section)s AND key = %(key)s;
 -- P-11: the telemetry switch changed; every live worker is retired.
 LISTEN telemetry_changed;
 
+-- name: amqp_listen
+-- AMQP users, permissions, vhosts or the catalogue changed (pepsi amqp, another writer).
+LISTEN amqp_changed;
+
 -- name: server_version
 SHOW server_version;
 
@@ -673,7 +677,11 @@ SELECT (SELECT count(*) FROM q), (SELECT count(*) FROM gone);
 -- case (no x-death).
 SELECT w.workqueue_id, w.properties ->> 'exchange', w.properties ->> 'routing_key',
        (w.state ->> 'delivery_count')::bigint, (w.state ->> 'redelivered')::boolean,
-       w.state -> 'x_death', w.state -> 'x_first_death', w.expires <= now(), b.header, b.body
+       w.state -> 'x_death', w.state -> 'x_first_death', w.expires <= now(), b.header, b.body,
+       -- a row that came from a stage of the pipeline, not over AMQP: its properties are built
+       CASE WHEN NOT w.properties ? 'exchange' THEN
+           jsonb_build_array(w.message_id, w.content_type, w.correlation_id, w.properties)
+       END
 FROM pepsi.workqueue w
 LEFT JOIN pepsi.workqueue_body b ON b.body_id = w.body_id
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running';
@@ -690,11 +698,15 @@ WITH next AS (
 ), got AS (
     UPDATE pepsi.workqueue w SET status = 'running'
     FROM next WHERE w.workqueue_id = next.workqueue_id
-    RETURNING w.workqueue_id, w.properties, w.state, w.expires <= now() AS expired, w.body_id
+    RETURNING w.workqueue_id, w.properties, w.state, w.expires <= now() AS expired, w.body_id,
+              w.message_id, w.content_type, w.correlation_id
 )
 SELECT got.workqueue_id, got.properties ->> 'exchange', got.properties ->> 'routing_key',
        (got.state ->> 'delivery_count')::bigint, (got.state ->> 'redelivered')::boolean,
        got.state -> 'x_death', got.state -> 'x_first_death', got.expired, b.header, b.body,
+       CASE WHEN NOT got.properties ? 'exchange' THEN
+           jsonb_build_array(got.message_id, got.content_type, got.correlation_id, got.properties)
+       END,
        (SELECT count(*) FROM pepsi.workqueue
         WHERE stage = %(stage)s AND status = 'pending') - 1 AS ready
 FROM got LEFT JOIN pepsi.workqueue_body b ON b.body_id = got.body_id;
@@ -777,3 +789,27 @@ SELECT w.workqueue_id, w.stage, w.properties, w.state, b.header
 FROM pepsi.workqueue w LEFT JOIN pepsi.workqueue_body b ON b.body_id = w.body_id
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running'
 FOR UPDATE OF w;
+
+-- name: amqp_expiry_queues
+-- The AMQP expiry service's pass (pepsi.amqp.expiry): every vhost's queues, and how long
+-- ago (ms, the database's clock) each was declared, for x-expires.
+SELECT vhost, name, stage, durable, exclusive, auto_delete, arguments,
+       (extract(epoch FROM now() - declared_at) * 1000)::bigint
+FROM pepsi.amqp_queue;
+
+-- name: amqp_expiry_claim
+-- The expired pending rows of these stages (AMQP queues), oldest expiry first, at most
+-- max_rows (workqueue_expires_idx), set to running in one statement, for the deliverer
+-- to dead-letter (reason expired). A row the dispatcher's claim holds is skipped.
+WITH due AS (
+    SELECT workqueue_id FROM pepsi.workqueue
+    WHERE status = 'pending' AND expires IS NOT NULL AND expires <= now()
+      AND stage = ANY(%(stages)s::text[])
+    ORDER BY expires
+    LIMIT %(max_rows)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE pepsi.workqueue w SET status = 'running'
+FROM due
+WHERE w.workqueue_id = due.workqueue_id AND w.status = 'pending'
+RETURNING w.workqueue_id, w.stage;

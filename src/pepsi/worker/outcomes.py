@@ -28,6 +28,7 @@ from collections.abc import Callable, Container
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
+from pepsi.config.values import is_amqp_stage, stage_ref
 from pepsi.stage import Advance, Finish, Message, Pause, PermanentError
 
 Clock = Callable[[], datetime]
@@ -71,6 +72,18 @@ def retry_delay(failures: int, first: float, cap: float) -> float:
     return min(cap, first * 2.0 ** max(0, min(failures - 1, 30)))
 
 
+def _advance_target(target: str, stages: Container[str]) -> tuple[str, str | None]:
+    """The stage an advance goes to (an AMQP queue's in its full form), or a problem."""
+    if is_amqp_stage(target):  # amqp:QUEUE or amqp:VHOST:QUEUE
+        try:
+            return stage_ref(target), None
+        except ValueError as error:
+            return target, f"advance: {error}"
+    if target not in stages:
+        return target, f"advance to unknown stage {target!r}"
+    return target, None
+
+
 def after_return(  # noqa: PLR0911  # one return per outcome reads best
     result: object, msg: Message, loaded_state: str, stages: Container[str], now: Clock
 ) -> Decision:
@@ -87,8 +100,9 @@ def after_return(  # noqa: PLR0911  # one return per outcome reads best
             target = to or msg.options.next
             if target is None:
                 return FINISH
-            if target not in stages:
-                return _host_failure(msg, state, f"advance to unknown stage {target!r}", now)
+            target, problem = _advance_target(target, stages)
+            if problem is not None:
+                return _host_failure(msg, state, problem, now)
             if target != msg.stage and ("strikes" in state or "temporary_failures" in state):
                 state = {k: v for k, v in state.items() if k not in PER_STAGE}
             return Decision("advance", target, "pending", state, fuse=fuse)

@@ -25,6 +25,7 @@ from typing import Any
 
 from pepsi.config import StageConfig
 from pepsi.config.parse import STAGE_KEYS
+from pepsi.config.values import is_amqp_stage
 
 OVERRIDABLE: Mapping[str, tuple[str, Callable[[str], Any]]] = {
     key: STAGE_KEYS[key]
@@ -60,7 +61,7 @@ def parse_option(key: str, value: str, stages: Container[str]) -> tuple[str, Any
         parsed = parse(value)
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
-    if attr == "bounce_stage" and parsed not in stages:
+    if attr == "bounce_stage" and parsed not in stages and not is_amqp_stage(parsed):
         raise ValueError(f"{name}: no stage named {parsed!r}")
     return attr, parsed
 

@@ -1,0 +1,289 @@
+"""Expiry for AMQP queues: expired messages are dead-lettered, unused queues deleted.
+
+`Expiry` is a task of the broker with a database connection of its own (application
+name `pepsi-amqp-expiry`, reconnecting with the usual backoff). Every
+`EXPIRY_INTERVAL` it makes a pass:
+
+- **queue expiry** (`x-expires`, ms): a queue unused for that long is deleted with
+  `Broker.delete_queue` (its consumers cancelled, its rows gone). Unused as in
+  RabbitMQ: no consumer, no basic.get, no redeclare. Consumers are the deliverer's
+  registry, seen at each pass; declares and gets call `touch`. Last use is kept in
+  memory only, so the timer starts again when the broker starts (as in RabbitMQ);
+  a queue it has not seen used counts from its declaration, or from the start.
+- **message expiry** (the `expiration` property, `x-message-ttl`, both in the
+  row's `expires`, see `ttl_expires`): at most `EXPIRY_BATCH` pending rows whose
+  expiry has passed, oldest first, are set to running in one statement
+  (`amqp_expiry_claim`) and handed to `Deliverer.dead_letter` with reason
+  `expired`: routed through the queue's dead-letter exchange with x-death, or kept
+  as failed when there is no route (RabbitMQ would drop them). A full batch waits
+  for the deliverer to write it, then the next pass follows at once.
+
+A pass that fails on the database is retried after the backoff's delay; rows it set
+to running and did not hand over are reset to pending by the dispatcher's restart
+(they are not in `Deliverer.held()`), and swept again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+import psycopg
+
+from pepsi.amqp.arguments import QueueDeclaration
+from pepsi.amqp.catalogue import Queue
+from pepsi.amqp.replies import AMQPError
+from pepsi.db.backoff import Backoff
+from pepsi.db.connect import connect_async
+from pepsi.db.queries import query
+from pepsi.errors import PepsiError, one_line
+
+if TYPE_CHECKING:
+    from pepsi.amqp.broker import Broker
+
+log = logging.getLogger("pepsi.amqp")
+
+APPLICATION_NAME: Final = "pepsi-amqp-expiry"
+EXPIRY_INTERVAL: Final = 1.0  # seconds between passes
+EXPIRY_BATCH: Final = 1000  # expired rows handed to the deliverer per pass
+CLOSE_TIMEOUT: Final = 5.0  # seconds a pass may take to finish when the broker closes
+EXPIRED: Final = "expired"  # RabbitMQ's dead-letter reason
+
+AConn = psycopg.AsyncConnection[tuple[Any, ...]]
+QueueKey = tuple[str, str]  # (vhost, name)
+
+
+# --- pure decisions ---------------------------------------------------------------------
+
+
+def ttl_expires(expires: dt.datetime | None, ttl_ms: int, now: dt.datetime) -> dt.datetime:
+    """A message's expiry in a queue with x-message-ttl: the sooner of its own
+    (`expiration`, None: none) and the queue's. A TTL of 0 expires it now."""
+    queue_expiry = now + dt.timedelta(milliseconds=ttl_ms)
+    return queue_expiry if expires is None or queue_expiry < expires else expires
+
+
+def first_use(started: float, now: float, age_ms: int) -> float:
+    """When a queue not seen used yet counts as last used: its declaration (`age_ms`
+    ago), or the service's start if later (RabbitMQ's timer restarts with the broker)."""
+    return max(started, now - max(age_ms, 0) / 1000)
+
+
+def expired_queues(
+    queues: Iterable[Queue], last_use: Mapping[QueueKey, float], now: float
+) -> list[Queue]:
+    """The queues with x-expires that have been unused that long (`last_use`: when each
+    was last used, in the clock of `now`; a queue missing from it is in use now)."""
+    due = []
+    for queue in queues:
+        expires = queue.arguments.expires
+        if expires is None:
+            continue
+        used = last_use.get((queue.declaration.vhost, queue.name), now)
+        if now - used >= expires / 1000:
+            due.append(queue)
+    return due
+
+
+# --- the service ------------------------------------------------------------------------
+
+
+class Expiry:
+    """The broker's expiry passes (see the module doc).
+
+    Started at once when made on a running event loop, else by the first `touch`;
+    `close` stops it. `passes` counts the passes completed, `expired` the rows handed
+    to dead-lettering and `deleted` the queues deleted (tests wait on them).
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        dsn: str,
+        connect_timeout: float,
+        *,
+        interval: float = EXPIRY_INTERVAL,
+        batch: int = EXPIRY_BATCH,
+        backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.broker = broker
+        self.dsn = dsn
+        self.connect_timeout = connect_timeout
+        self.interval = interval
+        self.batch = batch
+        self.backoff = backoff or Backoff()
+        self.clock = clock
+        self.started = clock()
+        self.passes = 0
+        self.expired = 0
+        self.deleted = 0
+        self.last_use: dict[QueueKey, float] = {}
+        self._queues: dict[QueueKey, Queue] = {}  # parsed once per declaration
+        self._conn: AConn | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self._closing = False
+        with contextlib.suppress(RuntimeError):  # no running loop: the first touch starts it
+            asyncio.get_running_loop()
+            self.start()
+
+    # ---- what the broker tells it ----------------------------------------------------
+
+    def touch(self, vhost: str, name: str) -> None:
+        """The queue was used now (declared, redeclared, or read with basic.get)."""
+        self.last_use[(vhost, name)] = self.clock()
+        self.start()
+
+    def start(self) -> None:
+        """Run the passes (on the running loop) unless they run already or it closed."""
+        if self._task is not None or self._closing:
+            return
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="amqp expiry")
+
+    async def close(self) -> None:
+        """Stop after the pass under way (the listener has stopped)."""
+        self._closing = True
+        self._stop.set()
+        task, self._task = self._task, None
+        if task is not None:
+            _, pending = await asyncio.wait([task], timeout=CLOSE_TIMEOUT)
+            for late in pending:
+                late.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await late
+        await self._drop()
+
+    # ---- the passes ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        delays = self.backoff.delays()
+        while not self._closing:
+            try:
+                full = await self.sweep()
+            except (psycopg.Error, PepsiError, OSError) as error:
+                log.error("amqp: the expiry pass failed: %s", one_line(error))
+                await self._drop()
+                wait = next(delays)
+            except Exception:
+                log.exception("amqp: the expiry pass failed; continuing")
+                wait = self.interval
+            else:
+                delays = self.backoff.delays()
+                if full:  # more are due: after the deliverer has written these
+                    await self.broker.deliverer.flush()
+                    wait = 0.0
+                else:
+                    wait = self.interval
+            if wait and not self._closing:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), wait)
+
+    async def sweep(self) -> bool:
+        """One pass; whether the expired rows filled its batch (more may be due)."""
+        conn = await self._connection()
+        cur = await conn.execute(query("amqp_expiry_queues"))
+        found = await cur.fetchall()
+        now = self.clock()
+        queues = self._read(found, now)
+        gone = await self._delete_unused(queues, now)
+        stages = {q.stage: q for q in queues if (q.declaration.vhost, q.name) not in gone}
+        full = False
+        if stages:
+            cur = await conn.execute(
+                query("amqp_expiry_claim"), {"stages": list(stages), "max_rows": self.batch}
+            )
+            claimed = await cur.fetchall()
+            by_stage: dict[str, list[int]] = {}
+            for wid, stage in claimed:
+                by_stage.setdefault(str(stage), []).append(int(wid))
+            for stage, ids in by_stage.items():  # at once: running, and held by nobody yet
+                self.broker.deliverer.dead_letter(stages[stage], ids, EXPIRED)
+            self.expired += len(claimed)
+            full = len(claimed) >= self.batch
+        self.passes += 1
+        return full
+
+    def _read(self, found: Iterable[tuple[Any, ...]], now: float) -> list[Queue]:
+        """The queues as read (`amqp_expiry_queues`); their last use, where not known, from
+        their declaration; what is known of queues that are gone, forgotten."""
+        queues: dict[QueueKey, Queue] = {}
+        ages: dict[QueueKey, int] = {}
+        for vhost, name, stage, durable, exclusive, auto_delete, arguments, age in found:
+            key = (str(vhost), str(name))
+            declaration = QueueDeclaration(
+                key[1], key[0], bool(durable), bool(exclusive), bool(auto_delete), arguments or {}
+            )
+            queue = self._queues.get(key)
+            if queue is None or queue.declaration != declaration or queue.stage != stage:
+                queue = Queue(declaration, str(stage))
+            queues[key] = queue
+            ages[key] = int(age or 0)
+        self._queues = queues
+        for key in [k for k in self.last_use if k not in queues]:
+            del self.last_use[key]  # deleted (a touch of a queue not committed yet: its age)
+        registry = self.broker.deliverer.registry
+        for key, queue in queues.items():
+            if queue.arguments.expires is None:
+                continue
+            if registry.count(queue.stage):
+                self.last_use[key] = now  # consumed: in use
+            elif key not in self.last_use:
+                self.last_use[key] = first_use(self.started, now, ages[key])
+        return list(queues.values())
+
+    async def _delete_unused(self, queues: list[Queue], now: float) -> set[QueueKey]:
+        """Delete the queues unused for their x-expires; the ones deleted."""
+        gone: set[QueueKey] = set()
+        registry = self.broker.deliverer.registry
+        for queue in expired_queues(queues, self.last_use, now):
+            key = (queue.declaration.vhost, queue.name)
+            # deletes await: a queue may have been used meanwhile
+            if registry.count(queue.stage) or not expired_queues(
+                [queue], self.last_use, self.clock()
+            ):
+                continue
+            try:
+                count = await self.broker.delete_queue(*key)
+            except AMQPError:
+                log.warning("amqp: could not delete expired queue %r in %r", key[1], key[0])
+                continue
+            log.info(
+                "amqp: deleted queue %r in %r, unused for %d ms (x-expires, %d messages)",
+                key[1], key[0], queue.arguments.expires, count,
+            )  # fmt: skip
+            self.last_use.pop(key, None)
+            gone.add(key)
+            self.deleted += 1
+        return gone
+
+    # ---- the connection ----------------------------------------------------------------
+
+    async def _connection(self) -> AConn:
+        if self._conn is None or self._conn.closed:
+            self._conn = await connect_async(
+                self.dsn, application_name=APPLICATION_NAME, timeout=self.connect_timeout
+            )
+            await self._conn.set_autocommit(True)
+        return self._conn
+
+    async def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                await conn.close()
+
+
+__all__ = [
+    "EXPIRY_BATCH",
+    "EXPIRY_INTERVAL",
+    "Expiry",
+    "expired_queues",
+    "first_use",
+    "ttl_expires",
+]
