@@ -35,6 +35,10 @@ class DispatcherThread:
                 raise TimeoutError("the dispatcher did not start listening")
             time.sleep(0.01)
         self.port = self.dispatcher.amqp.address[1]
+        while not self.dispatcher.listener.listening:  # NOTIFYs reach it from now on
+            if time.monotonic() > deadline:
+                raise TimeoutError("the dispatcher's listener did not connect")
+            time.sleep(0.01)
 
     def run(self, fn: Any) -> Any:
         """`fn()` on the loop's thread; its result here."""

@@ -62,6 +62,10 @@ def amqp(broker: DispatcherThread) -> Iterator[Callable[[], pika.BlockingConnect
         if connection.is_open:
             with contextlib.suppress(pika.exceptions.AMQPError):  # one a test broke
                 connection.close()
+        transport = getattr(connection._impl, "_transport", None)
+        sock = getattr(transport, "_sock", None)
+        if sock is not None:  # broken under pika (a test shut it down): close it here
+            sock.close()
 
 
 def rows(conn: Conn, queue: str) -> dict[str, int]:
@@ -379,6 +383,8 @@ def test_unacked_deliveries_are_redelivered_after_a_dispatcher_restart(
     publish(channel, "durable", [b"kept"])
     assert channel.basic_get("durable")[2] == b"kept"  # unacked when the broker stops
     assert first.stop() == 0
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker):  # 320, at the stop
+        wait_until(lambda: connection.process_data_events(0.05), what="the 320")
     second = DispatcherThread(dsn)
     try:
         connection = pika.BlockingConnection(
@@ -498,3 +504,25 @@ def test_publishes_that_cannot_be_written_block_every_connection(dsn: str) -> No
         return told
 
     assert asyncio.run(scenario()) == ["the database is unavailable", None]
+
+
+def test_drop_head_overflow_dead_letters_with_reason_maxlen(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn
+) -> None:
+    channel = amqp().channel()
+    channel.queue_declare("overflowed")
+    channel.queue_declare(
+        "short",
+        arguments={
+            "x-max-length": 1,
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": "overflowed",
+        },
+    )
+    publish(channel, "short", [b"old", b"new"])  # drop-head: old is pushed out
+    wait_until(lambda: rows(conn, "overflowed") == {"pending": 1}, what="the dead letter")
+    _, props, body = channel.basic_get("overflowed", auto_ack=True)
+    assert body == b"old"
+    assert props.headers["x-death"][0]["reason"] == "maxlen"
+    assert props.headers["x-death"][0]["queue"] == "short"
+    assert channel.basic_get("short", auto_ack=True)[2] == b"new"

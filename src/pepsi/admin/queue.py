@@ -29,6 +29,7 @@ from typing import Any, Literal
 import psycopg
 
 from pepsi.admin.horizon import Holder, read_oldest
+from pepsi.config.values import is_amqp_stage
 from pepsi.db.queries import query
 
 # The errors live in pepsi.errors (every error class does); re-exported here.
@@ -255,12 +256,12 @@ def check(request: RepairRequest, stages: Collection[str]) -> None:
     if name == "move":
         if request.to is None:
             raise RepairRefused("move: say which stage the messages go to")
-        if request.to not in stages:
+        if request.to not in stages and not is_amqp_stage(request.to):
             raise UnknownStage(f"no stage named {request.to!r}")
     elif request.to is not None:
         raise RepairRefused(f"{name}: only move takes a stage to go to")
     stage = request.selection.stage
-    if stage and stage not in stages:
+    if stage and stage not in stages and not is_amqp_stage(stage):  # AMQP queues: amqp:/:q
         raise UnknownStage(f"no stage named {stage!r}")
 
 

@@ -622,7 +622,10 @@ class BrokerChannel(ConsumingChannel):
                     raise ChannelError(
                         PRECONDITION_FAILED, f"{resource('queue', name, self.vhost)} in use"
                     )
-                if method.if_empty and await self.catalogue.message_count(queue.stage):
+                if method.if_empty and (
+                    self.broker.deliverer.ready.get(queue.stage)  # read ahead: ready too
+                    or await self.catalogue.message_count(queue.stage)
+                ):
                     raise ChannelError(
                         PRECONDITION_FAILED, f"{resource('queue', name, self.vhost)} not empty"
                     )

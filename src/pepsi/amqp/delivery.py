@@ -95,16 +95,19 @@ class Fetched(NamedTuple):
     routing_key: str
     redelivered: bool
     delivery_count: int
-    expired: bool
+    expires: float | None  # POSIX seconds; RabbitMQ never delivers an expired message
     raw_properties: bytes
     body: bytes
+
+    def expired(self, now: float) -> bool:
+        return self.expires is not None and self.expires <= now
 
 
 def fetched_row(row: Sequence[Any], queue_name: str, quorum: bool = True) -> Fetched:
     """A row of `amqp_delivery_load` (or `amqp_get`): id, exchange, routing key, delivery
-    count, redelivered, x-death, first death, expired, header, body. `quorum`: the queue
+    count, redelivered, x-death, first death, expires, header, body. `quorum`: the queue
     counts deliveries in `x-delivery-count` (classic ones do not)."""
-    wid, exchange, routing_key, count, redelivered, deaths, first, expired, header, body = row[:10]
+    wid, exchange, routing_key, count, redelivered, deaths, first, expires, header, body = row[:10]
     count = int(count or 0)
     foreign = row[10]
     if foreign is not None:  # advanced here by a stage of the pipeline: no AMQP header
@@ -125,7 +128,7 @@ def fetched_row(row: Sequence[Any], queue_name: str, quorum: bool = True) -> Fet
         queue_name if routing_key is None else routing_key,
         bool(redelivered) or count > 0,
         count,
-        bool(expired),
+        None if expires is None else float(expires),
         raw,
         bytes(body) if body is not None else b"",
     )
@@ -177,6 +180,13 @@ def id_array(ids: Iterable[int]) -> str:
     """A bigint[] literal: psycopg dumps a list element by element in Python, thousands
     of times a second here; one string is cheaper and means the same to `::bigint[]`."""
     return "{" + ",".join(map(str, ids)) + "}"
+
+
+# A dead letter starts afresh in its new queue: no delivery count, no failure of the old.
+_NOT_CARRIED = frozenset({
+    "redelivered", "delivery_count", "last_error", "failed_stage", "failure_class",
+    "dead_letter_reason",
+})  # fmt: skip
 
 
 def _quorum(queue: Queue | None) -> bool:
@@ -328,12 +338,18 @@ class Deliverer:
         frames: dict[int, tuple[Sender, list[bytes]]] = {}
         acked: list[tuple[str, int]] = []
         sent_bytes = 0
+        now = self.clock()
+        expired = False
         while ready:
             consumer = registry.pick(stage, single)
             if consumer is None:
                 break
             fetched = ready.popleft()
             sent_bytes += len(fetched.body)
+            if fetched.expires is not None and fetched.expires <= now:  # expired read ahead
+                self._outcomes.dead.append((stage, fetched.wid, "expired"))
+                expired = True
+                continue
             book = consumer.book
             sender: Sender = book.owner  # type: ignore[assignment]
             tag = book.new_tag()
@@ -353,7 +369,7 @@ class Deliverer:
         for sender, parts in frames.values():
             self.delivered += len(parts)
             sender.send_frames(b"".join(parts))
-        if acked:
+        if acked or expired:
             self._outcomes.acked += acked
             self._settle_soon()
         have = len(ready) + self._loading.get(stage, 0)
@@ -387,9 +403,15 @@ class Deliverer:
         ready = self.ready.get(stage)
         if not ready:
             return None
-        fetched = ready.popleft()
-        self._ready_bytes[stage] = self._ready_bytes.get(stage, 0) - len(fetched.body)
-        return fetched
+        now = self.clock()
+        while ready:
+            fetched = ready.popleft()
+            self._ready_bytes[stage] = self._ready_bytes.get(stage, 0) - len(fetched.body)
+            if not fetched.expired(now):
+                return fetched
+            self._outcomes.dead.append((stage, fetched.wid, "expired"))
+            self._settle_soon()
+        return None
 
     def drop_ready(self, stage: str) -> list[int]:
         """queue.purge or queue.delete: the read-ahead is ready messages too; its ids."""
@@ -487,7 +509,7 @@ class Deliverer:
             if row is None:
                 return None
             fetched = fetched_row(row, queue.name, _quorum(queue))
-            if not fetched.expired:
+            if not fetched.expired(self.clock()):
                 return fetched, max(int(row[11]), 0) + len(self.ready.get(stage, ()))
             self._outcomes.dead.append((queue.stage, fetched.wid, "expired"))
             self._settle_soon()
@@ -572,6 +594,7 @@ class Deliverer:
         """Loaded rows into their stages' read-ahead, in claim order; the stages."""
         stages: set[str] = set()
         gone: dict[str, list[int]] = {}
+        now = self.clock()
         for wid, stage, epoch in claimed:
             self._loading[stage] -= 1
             row = rows.get(wid)
@@ -583,7 +606,7 @@ class Deliverer:
                 continue
             queue = self.queues.get(stage)
             fetched = fetched_row(row, queue.name if queue else stage, _quorum(queue))
-            if fetched.expired:  # RabbitMQ never delivers an expired message
+            if fetched.expired(now):  # RabbitMQ never delivers an expired message
                 self._outcomes.dead.append((stage, wid, "expired"))
                 self._settle_soon()
                 continue
@@ -687,7 +710,7 @@ class Deliverer:
             routing_keys=[routing_key],
             now=self.clock(),
         )
-        new_state = {k: v for k, v in state.items() if k not in ("redelivered", "delivery_count")}
+        new_state = {k: v for k, v in state.items() if k not in _NOT_CARRIED}
         new_state["x_death"] = deaths
         new_state.setdefault("x_first_death", {
             "reason": reason, "queue": deaths[0]["queue"], "exchange": exchange,

@@ -17,6 +17,10 @@ name `pepsi-amqp-expiry`, reconnecting with the usual backoff). Every
   `expired`: routed through the queue's dead-letter exchange with x-death, or kept
   as failed when there is no route (RabbitMQ would drop them). A full batch waits
   for the deliverer to write it, then the next pass follows at once.
+- **overflow** (`x-overflow` drop-head, `x-max-length`): the publish function keeps
+  the rows it pushed out as failed (reason `overflow`); those of a queue with a
+  dead-letter exchange are set to running (`amqp_expiry_claim_overflowed`) and
+  dead-lettered the same way, with reason `maxlen`.
 
 A pass that fails on the database is retried after the backoff's delay; rows it set
 to running and did not hand over are reset to pending by the dispatcher's restart
@@ -52,7 +56,8 @@ APPLICATION_NAME: Final = "pepsi-amqp-expiry"
 EXPIRY_INTERVAL: Final = 1.0  # seconds between passes
 EXPIRY_BATCH: Final = 1000  # expired rows handed to the deliverer per pass
 CLOSE_TIMEOUT: Final = 5.0  # seconds a pass may take to finish when the broker closes
-EXPIRED: Final = "expired"  # RabbitMQ's dead-letter reason
+EXPIRED: Final = "expired"  # RabbitMQ's dead-letter reasons
+MAXLEN: Final = "maxlen"
 
 AConn = psycopg.AsyncConnection[tuple[Any, ...]]
 QueueKey = tuple[str, str]  # (vhost, name)
@@ -206,8 +211,27 @@ class Expiry:
                 self.broker.deliverer.dead_letter(stages[stage], ids, EXPIRED)
             self.expired += len(claimed)
             full = len(claimed) >= self.batch
+        full = await self._overflowed(conn, stages) or full
         self.passes += 1
         return full
+
+    async def _overflowed(self, conn: AConn, stages: Mapping[str, Queue]) -> bool:
+        """x-overflow drop-head pushed the oldest rows out (the publish function keeps them
+        as failed, reason overflow): through the queue's dead-letter exchange, if it has one."""
+        routed = {s: q for s, q in stages.items() if q.arguments.dead_letter_exchange is not None}
+        if not routed:
+            return False
+        cur = await conn.execute(
+            query("amqp_expiry_claim_overflowed"),
+            {"stages": list(routed), "max_rows": self.batch},
+        )
+        claimed = await cur.fetchall()
+        by_stage: dict[str, list[int]] = {}
+        for wid, stage in claimed:
+            by_stage.setdefault(str(stage), []).append(int(wid))
+        for stage, ids in by_stage.items():
+            self.broker.deliverer.dead_letter(routed[stage], ids, MAXLEN)
+        return len(claimed) >= self.batch
 
     def _read(self, found: Iterable[tuple[Any, ...]], now: float) -> list[Queue]:
         """The queues as read (`amqp_expiry_queues`); their last use, where not known, from

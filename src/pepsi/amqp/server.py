@@ -114,6 +114,10 @@ class Catalogue:
             await self._drop()
 
 
+def _of_user(user: str) -> Callable[[Connection], bool]:
+    return lambda conn: conn.username == user
+
+
 class Server:
     """The listening socket and its connections."""
 
@@ -181,7 +185,9 @@ class Server:
         if kind in ("catalogue", "vhost") and catalogue is not None:
             catalogue.forget(str(vhost) if kind == "catalogue" else name)
         try:
-            if kind == "vhost" and not await self.catalogue.vhost_exists(name):
+            if kind == "resync":  # notifications may have been missed: check every one
+                await self._resync()
+            elif kind == "vhost" and not await self.catalogue.vhost_exists(name):
                 self._force(lambda c: c.vhost == name, f"vhost '{name}' is deleted")
             elif kind == "user" and not await self.catalogue.user_exists(name):
                 self._force(lambda c: c.username == name, f"user '{name}' is deleted")
@@ -191,6 +197,14 @@ class Server:
             log.warning(
                 "amqp: could not apply a change of %s %r (database unavailable)", kind, name
             )
+
+    async def _resync(self) -> None:
+        users = {c.username for c in self.open if c.username is not None}
+        gone = {user for user in users if not await self.catalogue.user_exists(user)}
+        for user in gone:
+            self._force(_of_user(user), f"user '{user}' is deleted")
+        for user, vhost in {(c.username, c.vhost) for c in self.open if c.username and c.vhost}:
+            await self._permissions_changed(user, vhost)
 
     async def _permissions_changed(self, user: str, vhost: str) -> None:
         affected = [c for c in self.open if c.username == user and c.vhost == vhost]

@@ -22,6 +22,9 @@ from pepsi.errors import is_reconnect, one_line
 log = logging.getLogger("pepsi.dispatch")
 
 
+RESYNC = '{"kind": "resync"}'  # amqp_changed: check every open AMQP connection again
+
+
 class Listener:
     def __init__(
         self,
@@ -65,6 +68,7 @@ class Listener:
                 await conn.execute(query(name))
             self.listening = True
             self.wake("notify")  # a (re)connection may have missed notifications
+            self.on_channel("amqp_changed", RESYNC)  # ... of AMQP users and vhosts too
             async for notify in conn.notifies():
                 if notify.channel == "workqueue":
                     self.wake("notify")

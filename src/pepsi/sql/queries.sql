@@ -677,7 +677,8 @@ SELECT (SELECT count(*) FROM q), (SELECT count(*) FROM gone);
 -- case (no x-death).
 SELECT w.workqueue_id, w.properties ->> 'exchange', w.properties ->> 'routing_key',
        (w.state ->> 'delivery_count')::bigint, (w.state ->> 'redelivered')::boolean,
-       w.state -> 'x_death', w.state -> 'x_first_death', w.expires <= now(), b.header, b.body,
+       w.state -> 'x_death', w.state -> 'x_first_death', extract(epoch FROM w.expires)::float8,
+       b.header, b.body,
        -- a row that came from a stage of the pipeline, not over AMQP: its properties are built
        CASE WHEN NOT w.properties ? 'exchange' THEN
            jsonb_build_array(w.message_id, w.content_type, w.correlation_id, w.properties)
@@ -698,12 +699,13 @@ WITH next AS (
 ), got AS (
     UPDATE pepsi.workqueue w SET status = 'running'
     FROM next WHERE w.workqueue_id = next.workqueue_id
-    RETURNING w.workqueue_id, w.properties, w.state, w.expires <= now() AS expired, w.body_id,
+    RETURNING w.workqueue_id, w.properties, w.state, w.expires, w.body_id,
               w.message_id, w.content_type, w.correlation_id
 )
 SELECT got.workqueue_id, got.properties ->> 'exchange', got.properties ->> 'routing_key',
        (got.state ->> 'delivery_count')::bigint, (got.state ->> 'redelivered')::boolean,
-       got.state -> 'x_death', got.state -> 'x_first_death', got.expired, b.header, b.body,
+       got.state -> 'x_death', got.state -> 'x_first_death',
+       extract(epoch FROM got.expires)::float8, b.header, b.body,
        CASE WHEN NOT got.properties ? 'exchange' THEN
            jsonb_build_array(got.message_id, got.content_type, got.correlation_id, got.properties)
        END,
@@ -812,4 +814,21 @@ WITH due AS (
 UPDATE pepsi.workqueue w SET status = 'running'
 FROM due
 WHERE w.workqueue_id = due.workqueue_id AND w.status = 'pending'
+RETURNING w.workqueue_id, w.stage;
+
+-- name: amqp_expiry_claim_overflowed
+-- Rows x-overflow drop-head pushed out of these stages (AMQP queues with a dead-letter
+-- exchange: the publish function left them failed, reason overflow), oldest first, at most
+-- max_rows (workqueue_failed_idx), set to running for the deliverer to dead-letter.
+WITH due AS (
+    SELECT workqueue_id FROM pepsi.workqueue
+    WHERE status = 'failed' AND stage = ANY(%(stages)s::text[])
+      AND state ->> 'dead_letter_reason' = 'overflow'
+    ORDER BY stage, workqueue_id
+    LIMIT %(max_rows)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE pepsi.workqueue w SET status = 'running'
+FROM due
+WHERE w.workqueue_id = due.workqueue_id AND w.status = 'failed'
 RETURNING w.workqueue_id, w.stage;
