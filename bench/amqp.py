@@ -19,7 +19,8 @@ delivery. Against:
   in a temporary directory on a free port, a quorum queue. Nothing is installed;
   RabbitMQ is skipped when absent.
 
-Runs alternate between the brokers; the median counts. Prints one JSON document
+Runs alternate between the brokers, each phase starting once the machine is
+quiet (the other broker's background work done); the median counts. Prints one JSON document
 and a summary line.
 """
 
@@ -47,6 +48,31 @@ from pika.adapters.select_connection import SelectConnection
 
 BODY = b"x" * 1024
 USER, PASSWORD = "bench", "bench-secret"
+
+
+def busy_fraction(seconds: float = 0.5) -> float:
+    """How busy the machine's CPUs were over `seconds` (0 idle, 1 saturated), from
+    /proc/stat; 0 where it cannot be read."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return 1 - (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def quiet(limit: float = 0.15, timeout: float = 20.0) -> None:
+    """Wait until the other broker's background work (a node's start, a quorum queue's
+    compaction after a run) has died down, so each run measures its own broker."""
+    deadline = time.monotonic() + timeout
+    while busy_fraction() > limit and time.monotonic() < deadline:
+        pass
 
 
 def free_port() -> int:
@@ -296,8 +322,10 @@ def main() -> int:
     }
 
     def one(name: str, params: pika.ConnectionParameters, arguments: dict[str, Any]) -> None:
+        quiet()
         publisher = WindowedPublisher(params, "bench", arguments, args.messages, args.window)
         runs[name]["publish"].append(publisher.run())
+        quiet()
         consumer = AckingConsumer(params, "bench", args.messages, args.prefetch)
         runs[name]["consume"].append(consumer.run())
 
