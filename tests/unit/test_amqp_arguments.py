@@ -22,7 +22,6 @@ from pepsi.amqp.arguments import (
     field_type,
     generate_queue_name,
     parse_queue_arguments,
-    stage_options,
     value_key,
 )
 from pepsi.amqp.replies import (
@@ -33,7 +32,6 @@ from pepsi.amqp.replies import (
     ChannelError,
     is_hard_error,
 )
-from pepsi.config.parse import STAGE_KEYS
 
 PREFIX = "invalid arg '{key}' for queue 'q' in vhost '/': "
 
@@ -465,61 +463,3 @@ def test_value_key_keeps_bools_and_integers_apart(number: int, flag: bool) -> No
     assert value_key(number) != value_key(flag)
     assert value_key(number) != value_key(float(number))
     assert value_key(number) == value_key(int(str(number)))
-
-
-# -- stage options ---------------------------------------------------------------------
-
-
-def test_stage_options_mapping() -> None:
-    assert stage_options(parse()) == {}
-    args = parse(**{"x-max-length": 100, "x-message-ttl": 1500})
-    assert stage_options(args) == {"MAX_LENGTH": "100", "OVERFLOW": "drop-head", "TTL": "1500ms"}
-    args = parse(**{"x-max-length": 1, "x-overflow": "reject-publish"})
-    assert stage_options(args)["OVERFLOW"] == "reject-publish"
-    assert stage_options(parse(**{"x-message-ttl": 0})) == {"TTL": "1ms"}
-    assert stage_options(parse(**{"x-overflow": "reject-publish"})) == {}
-
-
-def test_stage_options_bounce_stage_needs_a_dlx() -> None:
-    with_dlx = parse(**{"x-dead-letter-exchange": "dlx"})
-    assert stage_options(with_dlx, bounce_stage="q.dead") == {"BOUNCE_STAGE": "q.dead"}
-    assert stage_options(with_dlx) == {}
-    assert stage_options(parse(), bounce_stage="q.dead") == {}
-
-
-def test_stage_options_without_counterpart() -> None:
-    args = parse(
-        **{
-            "x-queue-type": "quorum",
-            "x-max-length-bytes": 10,
-            "x-expires": 1000,
-            "x-delivery-limit": 5,
-            "x-single-active-consumer": True,
-        }
-    )
-    assert stage_options(args) == {}
-
-
-@given(
-    st.integers(min_value=1, max_value=10**9),
-    st.sampled_from(["drop-head", "reject-publish", "reject-publish-dlx"]),
-    st.integers(min_value=0, max_value=315_360_000_000),
-    st.sampled_from(["classic", "quorum"]),
-)
-def test_stage_options_parse_as_pepsi_config(
-    max_length: int, overflow: str, ttl: int, queue_type: str
-) -> None:
-    args = parse(
-        **{
-            "x-queue-type": queue_type,
-            "x-max-length": max_length,
-            "x-overflow": overflow,
-            "x-message-ttl": ttl,
-        }
-    )
-    parsed = {
-        STAGE_KEYS[key][0]: STAGE_KEYS[key][1](value) for key, value in stage_options(args).items()
-    }
-    assert parsed["max_length"] == max_length
-    assert parsed["overflow"].value == args.effective_overflow
-    assert parsed["ttl"] == pytest.approx(max(ttl, 1) / 1000)

@@ -12,8 +12,6 @@ Python values, as pamqp decodes a field table):
 - `check_queue_redeclare`: a second declare must match the first.
 - `declare_queue_name` / `generate_queue_name` / `check_queue_name`: the
   name rules (255 bytes, the reserved `amq.` prefix, server-named queues).
-- `stage_options`: the Pepsi stage keys (docs/configuration.md) that a
-  queue's arguments translate to.
 
 The wire type of a value is not kept by pamqp's decoder, so where RabbitMQ's
 text names a type (`{unacceptable_type,longstr}`, "of type 'signedint'") it
@@ -575,52 +573,3 @@ def declare_queue_name(
     if not passive and name.startswith(RESERVED_PREFIX):
         raise ChannelError(ACCESS_REFUSED, f"queue name '{name}' contains reserved prefix 'amq.*'")
     return name
-
-
-# -- Pepsi's stage options -------------------------------------------------------------
-
-
-def stage_options(args: QueueArguments, *, bounce_stage: str | None = None) -> dict[str, str]:
-    """The `[stage-NAME]` keys (docs/configuration.md) a queue's arguments set.
-
-    Values are written as in pepsi.conf, ready for `pepsi.config_override`.
-
-    ============================  ==========================================
-    AMQP argument                 Stage key
-    ============================  ==========================================
-    x-max-length                  MAX_LENGTH (both at least 1)
-    x-overflow                    OVERFLOW, written whenever MAX_LENGTH is:
-                                  RabbitMQ's default is drop-head, Pepsi's
-                                  reject-publish; reject-publish-dlx as
-                                  `effective_overflow` says
-    x-message-ttl                 TTL in ms (0 becomes 1ms, Pepsi's least:
-                                  a message no consumer takes at once
-                                  expires at the next sweep)
-    x-dead-letter-exchange        BOUNCE_STAGE = `bounce_stage`, when the
-                                  server gives the stage that routes this
-                                  queue's dead letters through the exchange
-                                  (with x-dead-letter-routing-key); a stage
-                                  key names a stage, not an exchange
-    ============================  ==========================================
-
-    No stage key yet: x-max-length-bytes (Pepsi limits counts, not bytes),
-    x-expires (a queue unused for a time is deleted: the listener's job),
-    x-delivery-limit (Pepsi's fixed three strikes count crashes and hangs,
-    not requeues; the listener counts x-delivery-count), x-single-active-
-    consumer (a consumer rule, for the listener), x-dead-letter-strategy
-    (Pepsi's dead-lettering is always at least once), and the arguments in
-    `QueueArguments.ignored`.
-
-    One difference stays: without a dead-letter exchange RabbitMQ discards a
-    message that expires or is dropped from the head, while a stage without
-    BOUNCE_STAGE leaves it `failed` for the failure bouncer.
-    """
-    options: dict[str, str] = {}
-    if args.max_length is not None:
-        options["MAX_LENGTH"] = str(args.max_length)
-        options["OVERFLOW"] = args.effective_overflow
-    if args.message_ttl is not None:
-        options["TTL"] = f"{max(args.message_ttl, 1)}ms"
-    if args.dead_letter_exchange is not None and bounce_stage is not None:
-        options["BOUNCE_STAGE"] = bounce_stage
-    return options

@@ -6,8 +6,8 @@ caches a `VhostView`: the exchanges, queues and bindings, and the `RoutingTable`
 built from them, so a publish routes without a round trip. Every change made
 through it is one transaction ending with `NOTIFY amqp_changed`, and drops that
 vhost's view (the next use reads it again). Changes made by other processes
-(`pepsi amqp vhost delete`) are not seen until the view is dropped: the dispatcher
-does not LISTEN on amqp_changed yet.
+(`pepsi amqp vhost delete`) reach it through the dispatcher's LISTEN on
+amqp_changed (`Server.changed` drops the view).
 
 Arguments are stored as JSON (`amqp_*.arguments jsonb`): strings, integers, floats,
 booleans, tables and arrays keep their type class; bytes, decimals and timestamps
