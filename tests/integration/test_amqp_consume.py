@@ -10,6 +10,7 @@ import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import aio_pika
 import pika
 import pika.exceptions
 import psycopg
@@ -526,3 +527,30 @@ def test_drop_head_overflow_dead_letters_with_reason_maxlen(
     assert props.headers["x-death"][0]["reason"] == "maxlen"
     assert props.headers["x-death"][0]["queue"] == "short"
     assert channel.basic_get("short", auto_ack=True)[2] == b"new"
+
+
+def test_aio_pika_consumes_with_manual_acks_and_a_requeue(broker: DispatcherThread) -> None:
+    url = f"amqp://alice:{PASSWORD}@127.0.0.1:{broker.port}/"
+
+    async def scenario() -> list[tuple[bytes, bool]]:
+        async with await aio_pika.connect(url) as connection:
+            channel = await connection.channel(publisher_confirms=True)
+            await channel.set_qos(prefetch_count=10)
+            queue = await channel.declare_queue("aio", durable=True)
+            for i in range(5):
+                await channel.default_exchange.publish(aio_pika.Message(b"m%d" % i), "aio")
+            seen: list[tuple[bytes, bool]] = []
+            async with queue.iterator() as messages:
+                async for message in messages:
+                    seen.append((message.body, message.redelivered))
+                    if message.body == b"m2" and not message.redelivered:
+                        await message.nack(requeue=True)  # comes again, redelivered
+                    else:
+                        await message.ack()
+                    if len(seen) == 6:
+                        break
+            return seen
+
+    seen = asyncio.run(scenario())
+    assert sorted(b for b, _ in seen) == [b"m0", b"m1", b"m2", b"m2", b"m3", b"m4"]
+    assert (b"m2", True) in seen
