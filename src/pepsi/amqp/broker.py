@@ -846,8 +846,17 @@ class BrokerChannel(ConsumingChannel):
         rows: list[Row] = []
         limits: dict[str, tuple[int, bool]] = {}
         now: dt.datetime | None = None
+        rejected = False
         for name in queues:
             queue = view.queues[name]
+            max_bytes = queue.arguments.max_length_bytes
+            if (  # x-max-length-bytes, reject-publish: by the expiry pass's estimate
+                max_bytes is not None
+                and queue.arguments.effective_overflow != "drop-head"
+                and not self.broker.expiry.admit(queue.stage, max_bytes, len(content.body))
+            ):
+                rejected = True  # not written to this queue; nacked (the others have it)
+                continue
             ttl = queue.arguments.message_ttl
             if ttl is None:
                 rows.append(Row._make((queue.stage, *tail)))
@@ -857,7 +866,10 @@ class BrokerChannel(ConsumingChannel):
                 rows.append(Row._make((queue.stage, *own)))
             if queue.limit is not None:
                 limits[queue.stage] = queue.limit
-        return Item(rows, limits)
+        item = Item(rows, limits)
+        if rejected:
+            item.refused = item.rejected = True
+        return item
 
     # ---- settling publishes ----------------------------------------------------------------
 

@@ -21,6 +21,26 @@ name `pepsi-amqp-expiry`, reconnecting with the usual backoff). Every
   the rows it pushed out as failed (reason `overflow`); those of a queue with a
   dead-letter exchange are set to running (`amqp_expiry_claim_overflowed`) and
   dead-lettered the same way, with reason `maxlen`.
+- **x-max-length-bytes** (RabbitMQ counts the body octets of the ready messages; here
+  the `pending` rows of the queue's stage, read-ahead and unacked ones not counted,
+  dead letters that arrived counted). There is no byte counter: each pass reads, for
+  each queue with the argument, its newest `BYTES_SCAN` pending rows, newest first,
+  with a running sum of their body octets (`amqp_bytes_over`, one statement per
+  queue). That is the bound on the work of a pass: a queue deeper than that is
+  measured by its newest `BYTES_SCAN` rows only, and older rows behind them that
+  fit within the limit are neither counted nor dropped.
+  - `drop-head`: the rows past the limit (all pending rows from the newest one
+    whose running sum exceeds it down to the oldest, at most `EXPIRY_BATCH`, oldest
+    first) are set to running in the same statement and dead-lettered with reason
+    `maxlen` (kept as failed without a route). The limit therefore holds within
+    about a pass (a second), not at publish: between passes the queue may hold more.
+  - `reject-publish`: the broker refuses at publish a message whose body would take
+    the queue over the limit (`admit`), by an estimate kept in memory: the bytes the
+    last pass measured plus the body bytes admitted since. A pass marks the bytes
+    admitted so far, waits for the batcher to commit them, then measures; the
+    estimate is exact but for what was consumed since the pass (which makes it err
+    towards refusing) and for a deep queue's rows beyond the scan (see above), and
+    a queue counts as empty until a pass has measured it.
 
 A pass that fails on the database is retried after the backoff's delay; rows it set
 to running and did not hand over are reset to pending by the dispatcher's restart
@@ -55,6 +75,7 @@ log = logging.getLogger("pepsi.amqp")
 APPLICATION_NAME: Final = "pepsi-amqp-expiry"
 EXPIRY_INTERVAL: Final = 1.0  # seconds between passes
 EXPIRY_BATCH: Final = 1000  # expired rows handed to the deliverer per pass
+BYTES_SCAN: Final = 10_000  # pending rows read per x-max-length-bytes queue per pass
 CLOSE_TIMEOUT: Final = 5.0  # seconds a pass may take to finish when the broker closes
 EXPIRED: Final = "expired"  # RabbitMQ's dead-letter reasons
 MAXLEN: Final = "maxlen"
@@ -103,7 +124,8 @@ class Expiry:
 
     Started at once when made on a running event loop, else by the first `touch`;
     `close` stops it. `passes` counts the passes completed, `expired` the rows handed
-    to dead-lettering and `deleted` the queues deleted (tests wait on them).
+    to dead-lettering, `dropped` those over x-max-length-bytes and `deleted` the
+    queues deleted (tests wait on them).
     """
 
     def __init__(
@@ -114,6 +136,7 @@ class Expiry:
         *,
         interval: float = EXPIRY_INTERVAL,
         batch: int = EXPIRY_BATCH,
+        bytes_scan: int = BYTES_SCAN,
         backoff: Backoff | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -122,12 +145,18 @@ class Expiry:
         self.connect_timeout = connect_timeout
         self.interval = interval
         self.batch = batch
+        self.bytes_scan = bytes_scan
         self.backoff = backoff or Backoff()
         self.clock = clock
         self.started = clock()
         self.passes = 0
         self.expired = 0
         self.deleted = 0
+        self.dropped = 0  # rows over x-max-length-bytes handed to dead-lettering
+        # x-max-length-bytes with reject-publish, per stage: the pending body bytes the
+        # last pass measured, and the body bytes admitted since (see `admit`)
+        self.measured: dict[str, int] = {}
+        self.admitted: dict[str, int] = {}
         self.last_use: dict[QueueKey, float] = {}
         self._queues: dict[QueueKey, Queue] = {}  # parsed once per declaration
         self._conn: AConn | None = None
@@ -144,6 +173,15 @@ class Expiry:
         """The queue was used now (declared, redeclared, or read with basic.get)."""
         self.last_use[(vhost, name)] = self.clock()
         self.start()
+
+    def admit(self, stage: str, max_bytes: int, size: int) -> bool:
+        """A publish of a `size`-octet body to a reject-publish queue with x-max-length-bytes
+        `max_bytes`: whether it fits by the estimate (counted in it if so)."""
+        admitted = self.admitted.get(stage, 0)
+        if self.measured.get(stage, 0) + admitted + size > max_bytes:
+            return False
+        self.admitted[stage] = admitted + size
+        return True
 
     def start(self) -> None:
         """Run the passes (on the running loop) unless they run already or it closed."""
@@ -212,6 +250,7 @@ class Expiry:
             self.expired += len(claimed)
             full = len(claimed) >= self.batch
         full = await self._overflowed(conn, stages) or full
+        full = await self._over_bytes(conn, stages) or full
         self.passes += 1
         return full
 
@@ -232,6 +271,43 @@ class Expiry:
         for stage, ids in by_stage.items():
             self.broker.deliverer.dead_letter(routed[stage], ids, MAXLEN)
         return len(claimed) >= self.batch
+
+    async def _over_bytes(self, conn: AConn, stages: Mapping[str, Queue]) -> bool:
+        """x-max-length-bytes (see the module doc): drop-head queues lose their oldest rows
+        past the limit (reason maxlen); reject-publish queues are measured for `admit`."""
+        limited = {s: q for s, q in stages.items() if q.arguments.max_length_bytes is not None}
+        rejecting = {s for s, q in limited.items() if q.arguments.effective_overflow != "drop-head"}
+        # The mark: what was admitted so far joins the last measure until this pass's
+        # replaces it, once the batcher has committed it (what is admitted from now on
+        # stays in `admitted`: counted twice if committed before the measure, never less).
+        marked, self.admitted = self.admitted, {}
+        self.measured = {s: self.measured.get(s, 0) + marked.get(s, 0) for s in rejecting}
+        if rejecting:
+            await self.broker.batcher.flush()
+        full = False
+        for stage, queue in limited.items():
+            drop = stage not in rejecting
+            cur = await conn.execute(
+                query("amqp_bytes_over"),
+                {
+                    "stage": stage,
+                    "max_bytes": queue.arguments.max_length_bytes,
+                    "max_scan": self.bytes_scan,
+                    "max_rows": self.batch,
+                    "drop": drop,
+                },
+            )
+            found = await cur.fetchone()
+            assert found is not None
+            _, octets, claimed = found
+            if not drop:
+                self.measured[stage] = int(octets)
+            elif claimed:
+                ids = [int(wid) for wid in claimed]
+                self.broker.deliverer.dead_letter(queue, ids, MAXLEN)
+                self.dropped += len(ids)
+                full = full or len(ids) >= self.batch
+        return full
 
     def _read(self, found: Iterable[tuple[Any, ...]], now: float) -> list[Queue]:
         """The queues as read (`amqp_expiry_queues`); their last use, where not known, from
@@ -304,6 +380,7 @@ class Expiry:
 
 
 __all__ = [
+    "BYTES_SCAN",
     "EXPIRY_BATCH",
     "EXPIRY_INTERVAL",
     "Expiry",

@@ -109,6 +109,7 @@ class Item:
     rows: list[Row]
     limits: dict[str, Limit] = field(default_factory=dict)  # stage -> its limit
     refused: bool = False  # a reject-publish queue had no room
+    rejected: bool = False  # ... by the broker's x-max-length-bytes estimate, at publish
 
     @property
     def size(self) -> int:
@@ -158,12 +159,13 @@ def split(
     items: Sequence[Item],
 ) -> tuple[list[Row], dict[str, Limit], dict[str, list[tuple[Item, Row]]]]:
     """Rows for one call (unlimited and drop-head stages, with those limits), and the rows
-    of each reject-publish stage with their items, in order. Resets `refused`."""
+    of each reject-publish stage with their items, in order. Resets `refused` (to
+    `rejected`: refused at publish already)."""
     free: list[Row] = []
     free_limits: dict[str, Limit] = {}
     guarded: dict[str, list[tuple[Item, Row]]] = {}
     for item in items:
-        item.refused = False
+        item.refused = item.rejected
         for row in item.rows:
             limit = item.limits.get(row.stage)
             if limit is not None and not limit[1]:

@@ -832,3 +832,38 @@ UPDATE pepsi.workqueue w SET status = 'running'
 FROM due
 WHERE w.workqueue_id = due.workqueue_id AND w.status = 'failed'
 RETURNING w.workqueue_id, w.stage;
+
+-- name: amqp_bytes_over
+-- x-max-length-bytes (pepsi.amqp.expiry): the newest max_scan pending rows of one stage
+-- (an AMQP queue), newest first (workqueue_pending_idx, backwards), with a running sum of
+-- their body octets; the newest row past max_bytes is the cut, and with drop the pending
+-- rows up to it (oldest first, at most max_rows; a row the dispatcher's claim holds is
+-- skipped) are set to running for the deliverer to dead-letter (reason maxlen). Returns
+-- the rows scanned, their body octets, and the ids claimed.
+WITH newest AS (
+    SELECT workqueue_id, body_id FROM pepsi.workqueue
+    WHERE stage = %(stage)s AND status = 'pending'
+    ORDER BY workqueue_id DESC
+    LIMIT %(max_scan)s
+), summed AS (
+    SELECT n.workqueue_id,
+           sum(coalesce(octet_length(b.body), 0))
+               OVER (ORDER BY n.workqueue_id DESC ROWS UNBOUNDED PRECEDING) AS total
+    FROM newest n LEFT JOIN pepsi.workqueue_body b ON b.body_id = n.body_id
+), cut AS (
+    SELECT max(workqueue_id) AS last FROM summed WHERE total > %(max_bytes)s
+), due AS (
+    SELECT w.workqueue_id FROM pepsi.workqueue w, cut
+    WHERE %(drop)s AND w.stage = %(stage)s AND w.status = 'pending'
+      AND w.workqueue_id <= cut.last
+    ORDER BY w.workqueue_id
+    LIMIT %(max_rows)s
+    FOR UPDATE OF w SKIP LOCKED
+), claimed AS (
+    UPDATE pepsi.workqueue w SET status = 'running'
+    FROM due
+    WHERE w.workqueue_id = due.workqueue_id AND w.status = 'pending'
+    RETURNING w.workqueue_id
+)
+SELECT (SELECT count(*) FROM newest), (SELECT coalesce(max(total), 0) FROM summed),
+       ARRAY(SELECT workqueue_id FROM claimed ORDER BY workqueue_id);
