@@ -14,17 +14,23 @@ an average over the last flush window, steady under steady load. A busy
 dispatcher flushes at least every STATS_INTERVAL, so when no flush came for
 longer than that while it ran (or it does not run), nothing was counted
 since: the rates are 0.
+
+Fresher rates come from the dispatcher's live snapshots (`NOTIFY pepsi_live`,
+read by `pepsi.admin.live`): while it is heard from, `with_live` puts their
+rates (over the last 10 s, taken every second) in place of the flush rates, and
+the frame says which source it shows (`rates_source`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pepsi.admin.horizon import Holder
+    from pepsi.admin.live import LiveView
 
 FLUSH_SLACK = 2.0  # seconds past STATS_INTERVAL before a missing flush means "idle"
 # Counting a large queue is a scan (about 0.3 s for a million rows): it may take at
@@ -45,6 +51,8 @@ class StageCounters:
 
 
 RATED = ("processed", "failed", "finished", "advanced", "retries")  # shown per second
+STATS = "stats"  # Frame.rates_source: between the last two statistics flushes
+LIVE = "live"  # from the dispatcher's live snapshots
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,7 @@ class Frame:
     stages: tuple[StageRow, ...] = field(default=())
     counts_age: float = 0.0
     horizon: Holder | None = None  # the oldest transaction holding back vacuum
+    rates_source: str = STATS  # STATS or LIVE
 
     @property
     def dispatcher_running(self) -> bool:
@@ -114,6 +123,7 @@ class Frame:
         return {
             "time": self.now.isoformat(),
             "rate_window_s": _round(self.window),
+            "rates_source": self.rates_source,
             "counts_age_s": _round(self.counts_age),
             "dispatcher": {
                 "running": self.dispatcher_running,
@@ -227,6 +237,24 @@ def frame(
         stages=tuple(rows),
         counts_age=current.counts_age,
         horizon=current.horizon,
+    )
+
+
+def with_live(item: Frame, live: LiveView) -> Frame:
+    """The frame with the live snapshots' rates, when they have some; else as it is."""
+    if not live.available:
+        return item
+    rows = tuple(
+        replace(row, rates={name: live.rate(row.stage, name) for name in RATED})
+        for row in item.stages
+    )
+    return replace(
+        item,
+        window=live.window,
+        claims_rate=live.dispatch.get("claims"),
+        claimed_rate=live.dispatch.get("claimed"),
+        stages=rows,
+        rates_source=LIVE,
     )
 
 

@@ -9,8 +9,11 @@ per line). --count N stops after N refreshes.
 Each refresh reads the stats tables, pg_stat_activity and pg_locks (well
 under a millisecond) and counts the queue; a count that is slow (a large
 queue) is redone only after ten times its duration, and the header says how
-old it is. Rates are per second between the dispatcher's last two statistics
-flushes (every STATS_INTERVAL and when idle). The header also shows the oldest
+old it is. Rates are per second over the last 10 seconds, from the snapshots
+the running dispatcher notifies every second (NOTIFY pepsi_live, no table
+write); when none come (no dispatcher, or an older one), between its last two
+statistics flushes (every STATS_INTERVAL and when idle). The header says which
+source it shows. The header also shows the oldest
 transaction holding back vacuum, highlighted with a warning past 60s
 ($PEPSI_HORIZON_WARN_AFTER). See docs/operations.md.
 """
@@ -20,14 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import psycopg
 
 from pepsi.admin import activity, horizon
-from pepsi.admin.top import RATED, Frame
+from pepsi.admin.live import WINDOW, LiveListener
+from pepsi.admin.top import LIVE, RATED, Frame, with_live
 from pepsi.commands import Context, summary
 from pepsi.durations import format_duration, parse_duration
-from pepsi.errors import EX_OK, UsageError
+from pepsi.errors import EX_OK, DatabaseUnavailable, UsageError, classify, one_line
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -76,7 +83,7 @@ def run_top(args: argparse.Namespace, ctx: Context) -> int:
     warn_after = horizon.warn_after()
     try:
         with activity.open_top(config) as conn:
-            frames = activity.frames(conn, stages, interval, args.count, stats_interval)
+            frames = live_frames(conn, stages, interval, args.count, stats_interval)
             if args.json:
                 _print_json(frames, config, warn_after)
             elif sys.stdout.isatty():
@@ -86,6 +93,46 @@ def run_top(args: argparse.Namespace, ctx: Context) -> int:
     except KeyboardInterrupt:
         return EX_OK  # Ctrl-C is how a live view is meant to end
     return EX_OK
+
+
+def live_frames(
+    conn: psycopg.Connection[Any],
+    stages: Sequence[str],
+    interval: float,
+    count: int | None,
+    stats_interval: float,
+) -> Iterator[Frame]:
+    """`activity.frames` with the live rates: between refreshes the view reads the
+    dispatcher's notifications rather than sleeping."""
+    reader = activity.TopReader(conn, stages, interval=interval, stats_interval=stats_interval)
+    live = LiveListener(conn)
+    try:
+        live.start()
+    except psycopg.Error as exc:
+        raise _unavailable(exc) from None
+    deadline = time.monotonic()
+    shown = 0
+    while True:
+        item = reader.refresh()
+        try:
+            live.wait(0)  # what came during the reads
+        except psycopg.Error as exc:
+            raise _unavailable(exc) from None
+        yield with_live(item, live.view())
+        shown += 1
+        if count is not None and shown >= count:
+            return
+        # Keep to the interval's grid, but never try to catch up after a slow read.
+        deadline = max(deadline + interval, time.monotonic())
+        try:
+            live.wait(deadline - time.monotonic())
+        except psycopg.Error as exc:
+            raise _unavailable(exc) from None
+
+
+def _unavailable(exc: psycopg.Error) -> DatabaseUnavailable:
+    kind = type(classify(exc) or DatabaseUnavailable(""))
+    return kind(f"reading the queue failed: {one_line(exc)}", sqlstate=exc.sqlstate)
 
 
 def _print_json(frames: Iterator[Frame], config: Config, warn_after: float) -> None:
@@ -144,8 +191,11 @@ def header(item: Frame) -> str:
     else:
         when = item.last_flush.astimezone().strftime("%H:%M:%S")
         parts.append(f"last stats flush {when} ({format_duration(age)} ago)")
+    source = "live" if item.rates_source == LIVE else "statistics flushes"
     if item.window is not None:
-        parts.append(f"rates over {format_duration(item.window)}")
+        parts.append(f"rates: {source}, over {format_duration(item.window)}")
+    else:
+        parts.append(f"rates: {source}")
     if item.counts_age >= 1.0:  # the queue is large: counted less often (see pepsi.admin.top)
         parts.append(f"queue counted {format_duration(item.counts_age)} ago")
     if item.horizon is not None:
@@ -161,7 +211,13 @@ def horizon_part(item: Frame) -> str:
     return f"oldest transaction {format_duration(holder.age_s)} ({who})"
 
 
-def footer(stats_interval: float, *, live: bool) -> str:
+def footer(stats_interval: float, *, live: bool, source: str = "stats") -> str:
+    if source == LIVE:
+        text = (
+            f"rates: per second over the last {format_duration(WINDOW)}, from the snapshots "
+            "the dispatcher notifies every second while busy (pepsi_live)."
+        )
+        return text + (" Ctrl-C quits." if live else "")
     text = (
         "rates: per second between the dispatcher's last two statistics flushes, which come "
         f"every STATS_INTERVAL ({format_duration(stats_interval)} here) and when the pipeline "
@@ -214,5 +270,5 @@ def render(
     return Group(
         top,
         body,
-        Text(footer(stats_interval, live=live), style="dim"),
+        Text(footer(stats_interval, live=live, source=item.rates_source), style="dim"),
     )

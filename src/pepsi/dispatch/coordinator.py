@@ -33,6 +33,7 @@ from pepsi.dispatch.claimer import Claimer
 from pepsi.dispatch.flusher import StatsFlusher
 from pepsi.dispatch.ledger import InFlight
 from pepsi.dispatch.listener import Listener
+from pepsi.dispatch.live import LivePublisher
 from pepsi.dispatch.metrics import Gauges, MetricsServer, Snapshot
 from pepsi.dispatch.pool import PoolOptions
 from pepsi.dispatch.rows import RowWriter
@@ -103,6 +104,10 @@ class Dispatcher:
         self.claimer = Claimer(fair)
         self.sweeper = Sweeper(SweepOptions.from_config(config), self.stats, clock)
         self.flusher = StatsFlusher(self.stats, options.stats_interval, self.started_at, clock)
+        # the live snapshot (NOTIFY pepsi_live): the metrics endpoint's numbers, every second
+        self.live = LivePublisher(
+            self._metrics_snapshot, clock, poll_interval=options.poll_interval
+        )
         self.supervisor = PoolSupervisor(
             config,
             PoolOptions.from_config(config, dsn),
@@ -187,6 +192,7 @@ class Dispatcher:
                 if self.rows:
                     await self.rows.flush(conn, self.clock())
                 await self.flusher.run_once(conn, final=True)
+                await self.live.run_once(conn, final=True)
             except Exception as exc:
                 if not is_reconnect(exc):
                     raise
@@ -323,6 +329,8 @@ class Dispatcher:
         self.vacuum.maybe_start(self.ledger.answered_total)
         if self.flusher.due(self.supervisor.idle()):
             await self.flusher.run_once(conn)
+        if self.live.due(self.supervisor.idle()):
+            await self.live.run_once(conn)
 
     async def _reload(self) -> None:
         """P-10: the file and the overlay again; swap the stage table, retire every worker."""
@@ -375,6 +383,7 @@ class Dispatcher:
                 *([self.reload_at] if self.reload_requested else []),
                 *self.sweeper.deadlines(),
                 *self.flusher.deadlines(self.supervisor.idle()),
+                *self.live.deadlines(self.supervisor.idle()),
                 *self.supervisor.deadlines(),
             ],
         )

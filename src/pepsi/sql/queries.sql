@@ -867,3 +867,12 @@ WITH newest AS (
 )
 SELECT (SELECT count(*) FROM newest), (SELECT coalesce(max(total), 0) FROM summed),
        ARRAY(SELECT workqueue_id FROM claimed ORDER BY workqueue_id);
+
+-- name: live_notify
+-- The dispatcher's live snapshot (pepsi.dispatch.live): its parts, one notification each,
+-- sent by one statement so that they arrive together. No table is written.
+SELECT pg_notify('pepsi_live', part) FROM unnest(%(payloads)s::text[]) AS part;
+
+-- name: live_listen
+-- Readers of the live snapshot (pepsi.admin.live: pepsi top, the web console).
+LISTEN pepsi_live;
