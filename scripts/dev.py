@@ -25,7 +25,9 @@ BIN = VENV / "bin"
 STAMP = VENV / ".pepsi-install-stamp"
 # Programs from the system the tests need, and the Debian package of each:
 # etcd is Patroni's store in the three-node cluster tests (tests/cluster/).
-SYSTEM_PACKAGES = {"etcd": "etcd-server"}
+# program -> Debian package: the cluster tests' etcd, the browser tests' Chromium and driver
+SYSTEM_PACKAGES = {"etcd": "etcd-server", "chromium": "chromium", "chromedriver": "chromium-driver"}
+QUICK = "not cluster and not browser"  # the tests run four at a time
 NO_TESTS_COLLECTED = 5  # pytest's status when a selection matches no test
 
 
@@ -54,7 +56,7 @@ def ensure_system_packages() -> None:
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         print(
-            f"dev.py: {', '.join(missing)} missing: the cluster tests will be skipped "
+            f"dev.py: {', '.join(missing)} missing: the cluster or browser tests will be skipped "
             f"(install with: sudo apt-get install {' '.join(missing)})",
             file=sys.stderr,
         )
@@ -79,10 +81,11 @@ def cmd_test(args: list[str]) -> int:
         # and timers (about 40 % of one core each), so even two cores run four
         # at once; a module's tests stay together (loadscope), so a module-wide
         # fixture (the 1 M-row backlog) is built once. `-n 0` runs serially.
-        [BIN / "pytest", "-n", "4", "--dist", "loadscope", "-m", "not cluster", *args],
-        # Then the three-node cluster tests, alone: they wait on failovers and
-        # would slow the timing-sensitive rest. `-m "not cluster"` skips them.
-        [BIN / "pytest", "-n", "0", "-m", "cluster", *args],
+        [BIN / "pytest", "-n", "4", "--dist", "loadscope", "-m", QUICK, *args],
+        # Then the three-node cluster tests and the browser tests, alone: they wait on
+        # failovers and a headless Chromium and would slow the timing-sensitive rest.
+        # `-m "not cluster and not browser"` skips them.
+        [BIN / "pytest", "-n", "0", "-m", "cluster or browser", *args],
     ]
     ensure_system_packages()
     failed = [c for c in checks if _run(*c) not in (0, NO_TESTS_COLLECTED)]

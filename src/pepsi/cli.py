@@ -205,6 +205,7 @@ main_ingress = _alias("ingress")
 main_failure_bouncer = _alias("failure-bouncer")
 main_queue = _alias("queue")
 main_settings = _alias("settings")
+main_web = _alias("web")
 
 __all__ = [
     "EX_OK",

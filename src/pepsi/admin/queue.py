@@ -127,6 +127,13 @@ class MessageFilter:
     stage: str | None = None
     status: Status | None = None
     sender_key: str | None = None  # e.g. user:alice, ip:192.0.2.7
+    failure_class: str | None = None  # state->>'failure_class': permanent, crashed, ...
+    older_than: float | None = None  # seconds: rows that arrived at least this long ago
+
+    @property
+    def narrowed(self) -> bool:
+        """Whether it uses more than `pepsi queue list` offers (the web console's filters)."""
+        return self.failure_class is not None or self.older_than is not None
 
 
 @dataclass(frozen=True)
@@ -143,20 +150,59 @@ class MessageSummary:
 
 
 def list_messages(
-    conn: Connection, where: MessageFilter | None = None, *, limit: int = 50
+    conn: Connection,
+    where: MessageFilter | None = None,
+    *,
+    limit: int = 50,
+    after: int | None = None,
 ) -> tuple[MessageSummary, ...]:
-    """The rows `where` selects, oldest first, at most `limit`."""
+    """The rows `where` selects, oldest first, at most `limit`; with `after`, only
+    those past that id (keyset paging: ask for limit + 1 to learn of a next page).
+
+    A stage's pending rows, and its failed/timeout rows, page along their partial
+    indexes (workqueue_pending_idx, workqueue_failed_idx): no sort, no offset.
+    """
     where = where or MessageFilter()
     if limit < 1:
         raise QueueError(f"the limit must be at least 1, got {limit}")
     if where.status is not None and where.status not in STATUSES:
         raise QueueError(f"no status {where.status!r} (one of {', '.join(STATUSES)})")
+    if where.older_than is not None and not where.older_than >= 0:
+        raise QueueError(f"the age must be at least 0 seconds, got {where.older_than}")
+    if after is not None or where.narrowed:
+        name, params = page_query(where, limit=limit, after=after)
+        with conn.transaction():
+            conn.execute(query("workqueue_page_in_order"))
+            rows = conn.execute(query(name), params).fetchall()
+        return tuple(MessageSummary(*row) for row in rows)
     rows = conn.execute(
         query("workqueue_list"),
         {"stage": where.stage, "status": where.status, "sender_key": where.sender_key,
          "limit": min(limit, BIGINT_MAX)},  # beyond bigint is "all" anyway
     ).fetchall()  # fmt: skip
     return tuple(MessageSummary(*row) for row in rows)
+
+
+def page_query(
+    where: MessageFilter, *, limit: int, after: int | None = None
+) -> tuple[str, dict[str, Any]]:
+    """The named query (workqueue_page_*) and parameters listing one page of `where`."""
+    if where.stage is not None and where.status == "pending":
+        name = "workqueue_page_pending"
+    elif where.stage is not None and where.status in ("failed", "timeout"):
+        name = "workqueue_page_failed"
+    else:
+        name = "workqueue_page_any"
+    start = BIGINT_MIN if after is None else max(BIGINT_MIN, min(after, BIGINT_MAX))
+    return name, {
+        "stage": where.stage,
+        "status": where.status,
+        "sender_key": where.sender_key,
+        "failure_class": where.failure_class,
+        "older_than": where.older_than,
+        "after": start,
+        "limit": min(limit, BIGINT_MAX),
+    }
 
 
 @dataclass(frozen=True)
@@ -197,6 +243,19 @@ def get_message(conn: Connection, message_id: int, *, with_body: bool = False) -
     return MessageDetail(*row)
 
 
+def read_head(
+    conn: Connection, message_id: int, *, limit: int
+) -> tuple[bytes | None, bytes | None]:
+    """The first `limit` bytes of a message's header and of its body (None: it has none)."""
+    row = None
+    if _fits(message_id):
+        row = conn.execute(query("web_message_head"), {"id": message_id, "limit": limit}).fetchone()
+    if row is None:
+        raise NoSuchMessage(f"no message {message_id} in the queue")
+    header, body = row
+    return (None if header is None else bytes(header)), (None if body is None else bytes(body))
+
+
 # -- repairing -----------------------------------------------------------------------------
 
 
@@ -214,6 +273,14 @@ class Selection:
     stage: str | None = None
     failure_class: str | None = None  # permanent, crashed, timed-out, ...
     every: bool = False
+    # The web console's filters (None: any): they narrow the rows further.
+    status: Status | None = None  # among the statuses the repair applies to
+    sender_key: str | None = None
+    older_than: float | None = None  # seconds since the row arrived
+
+    @property
+    def narrowed(self) -> bool:
+        return self.status is not None or self.sender_key is not None or self.older_than is not None
 
     @property
     def named(self) -> bool:
@@ -260,6 +327,11 @@ def check(request: RepairRequest, stages: Collection[str]) -> None:
             raise UnknownStage(f"no stage named {request.to!r}")
     elif request.to is not None:
         raise RepairRefused(f"{name}: only move takes a stage to go to")
+    chosen = request.selection
+    if chosen.status is not None and chosen.status not in STATUSES:
+        raise RepairRefused(f"no status {chosen.status!r} (one of {', '.join(STATUSES)})")
+    if chosen.older_than is not None and not chosen.older_than >= 0:
+        raise RepairRefused(f"the age must be at least 0 seconds, got {chosen.older_than}")
     stage = request.selection.stage
     if stage and stage not in stages and not is_amqp_stage(stage):  # AMQP queues: amqp:/:q
         raise UnknownStage(f"no stage named {stage!r}")
@@ -308,7 +380,16 @@ def _plan(conn: Connection, request: RepairRequest) -> RepairPlan:
     searched = [i for i in chosen.ids if _fits(i)]
     selected: list[tuple[Any, ...]] = []
     # Ids given, none of which can exist: no query (an empty array means "any id").
-    if searched or not chosen.ids:
+    if chosen.narrowed:
+        statuses = tuple(s for s in statuses if chosen.status in (None, s))
+    if (searched or not chosen.ids) and chosen.narrowed:
+        selected = conn.execute(
+            query("web_select_matching"),
+            {"ids": searched, "stage": chosen.stage, "failure_class": chosen.failure_class,
+             "statuses": list(statuses), "sender_key": chosen.sender_key,
+             "older_than": chosen.older_than},
+        ).fetchall()  # fmt: skip
+    elif searched or not chosen.ids:
         selected = conn.execute(
             query("workqueue_select_matching"),
             {"ids": searched, "stage": chosen.stage, "failure_class": chosen.failure_class,

@@ -70,6 +70,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("settings", "settings_cmd", "per-address overrides of stage options"),
     Command("amqp", "amqp_cmd", "AMQP users, vhosts and permissions"),
     Command("top", "top_cmd", "live view: backlog, workers and rates per stage"),
+    Command("web", "web_cmd", "the web console: see the pipeline and repair it in a browser"),
     Command("systemd", "systemd_cmd", "print the dispatcher's systemd unit"),
     Command("telemetry", "telemetry_cmd", "turn feature telemetry on or off; show its status"),
     Command("worker", "worker_cmd", "run one stage's worker (started by the dispatcher)"),

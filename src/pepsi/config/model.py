@@ -102,6 +102,16 @@ class AmqpOptions:
 
 
 @dataclass(frozen=True)
+class WebOptions:
+    """The web console (issue 17; docs/web.md): `pepsi web`, or the dispatcher's."""
+
+    listen: tuple[str, int] | None = None  # the dispatcher serves it here; off by default
+    password: str | None = None  # a scrypt hash (`pepsi web password`); None: no login
+    read_only: bool = False  # no repairs, whoever logs in
+    session_ttl: float = 12 * 3600.0  # seconds a login lasts
+
+
+@dataclass(frozen=True)
 class BouncerOptions:
     sink: str | None = None  # a stage name; None: the table pepsi.dead_letter
     interval: float = 30.0
@@ -151,6 +161,7 @@ class Config:
     ingress: IngressOptions = field(default_factory=IngressOptions)
     bouncer: BouncerOptions = field(default_factory=BouncerOptions)
     amqp: AmqpOptions = field(default_factory=AmqpOptions)
+    web: WebOptions = field(default_factory=WebOptions)
     stages: Mapping[str, StageConfig] = field(default_factory=lambda: MappingProxyType({}))
     warnings: tuple[str, ...] = ()
 

@@ -31,6 +31,7 @@ from pepsi.config.model import (
     RawSections,
     RawValue,
     StageConfig,
+    WebOptions,
     origin_of,
 )
 from pepsi.errors import ConfigError
@@ -139,7 +140,7 @@ def merge_overlay(raw: RawSections, overlay: Iterable[tuple[str, str, str | None
     """
     merged = {section: dict(keys) for section, keys in raw.items()}
     for section, key, value in overlay:
-        if section in ("pepsi-dispatch", "pepsi-amqp"):
+        if section in ("pepsi-dispatch", "pepsi-amqp", "pepsi-web"):
             raise ConfigError(
                 "cannot be overridden in the database (not reloadable)",
                 file=OVERLAY_ORIGIN,
@@ -223,6 +224,12 @@ AMQP_KEYS: Spec = {
     "MAX_MESSAGE_SIZE": ("max_message_size", v.size(1, 512 * MIB)),
     "STAGES": ("stages", v.stage_names),
 }
+WEB_KEYS: Spec = {
+    "LISTEN": ("listen", v.listen_address),
+    "PASSWORD": ("password", v.password_hash),
+    "READ_ONLY": ("read_only", v.boolean),
+    "SESSION_TTL": ("session_ttl", v.duration(60.0)),
+}
 SECTIONS: Mapping[str, Spec] = {
     "pepsi": PEPSI_KEYS,
     "pepsi-dispatch": DISPATCH_KEYS,
@@ -230,6 +237,7 @@ SECTIONS: Mapping[str, Spec] = {
     "pepsi-ingress": INGRESS_KEYS,
     "pepsi-failure-bouncer": BOUNCER_KEYS,
     "pepsi-amqp": AMQP_KEYS,
+    "pepsi-web": WEB_KEYS,
 }
 
 
@@ -270,7 +278,8 @@ def parse_config(raw: RawSections, path: Path | None = None) -> Config:
             origin = next(iter(keys.values())).origin if keys else file
             raise ConfigError(
                 "unknown section (expected [pepsi], [pepsi-dispatch], [pepsi-postgres], "
-                "[pepsi-ingress], [pepsi-failure-bouncer], [pepsi-amqp] or [stage-NAME])",
+                "[pepsi-ingress], [pepsi-failure-bouncer], [pepsi-amqp], [pepsi-web] or "
+                "[stage-NAME])",
                 file=origin,
                 section=section,
             )
@@ -322,6 +331,7 @@ def parse_config(raw: RawSections, path: Path | None = None) -> Config:
         ingress=IngressOptions(**parsed.get("pepsi-ingress", {})),
         bouncer=bouncer,
         amqp=amqp,
+        web=WebOptions(**parsed.get("pepsi-web", {})),
         stages=MappingProxyType(stages),
         warnings=tuple(warnings),
     )

@@ -86,6 +86,16 @@ def listen_address(text: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
+def password_hash(text: str) -> str:
+    """A stored password: the scrypt string `pepsi web password` prints, never a password."""
+    value = text.strip()
+    if not value.startswith("$scrypt$") or value.count("$") != 4:
+        raise ValueError(
+            "expected the hash `pepsi web password` prints ($scrypt$...), not a password"
+        )
+    return value
+
+
 def path(value: str) -> Path:
     return Path(text(value)).expanduser()
 

@@ -119,6 +119,7 @@ class Dispatcher:
         self.vacuum = Vacuum(dsn, options.vacuum_after, config.postgres.connect_timeout)
         self.amqp: amqp_server.Server | None = None  # [pepsi-amqp] LISTEN; set_blocked hook
         self.amqp_broker: AmqpBroker | None = None
+        self.web: Any = None  # the web console ([pepsi-web] LISTEN), when served here
 
     # ---- start and stop ---------------------------------------------------
 
@@ -139,6 +140,7 @@ class Dispatcher:
             await self.session.start_checks(list(self.supervisor.pools))
             metrics = self._serve_metrics()
             self.amqp = await self._serve_amqp()
+            self.web = await self._serve_web()
             listener = loop.create_task(self.listener.run())
             try:
                 await self._run()
@@ -147,6 +149,8 @@ class Dispatcher:
                 await self._shutdown()
                 await self.vacuum.close()
         finally:
+            if self.web is not None:
+                await self.web.stop()
             if self.amqp is not None:
                 await self.amqp.stop()
             if self.amqp_broker is not None:
@@ -246,6 +250,24 @@ class Dispatcher:
         host, port = server.address
         log.info("amqp listening on %s:%d", f"[{host}]" if ":" in host else host, port)
         return server
+
+    async def _serve_web(self) -> Any:
+        """The web console ([pepsi-web] LISTEN), served on this loop; None when off."""
+        address = self.config.web.listen
+        if address is None:
+            return None
+        from pepsi.web import server  # noqa: PLC0415  # aiohttp only when serving
+
+        try:
+            running = await server.start(self.config, self.dsn, address, dispatcher=self)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {address[0]}:{address[1]}: {exc.strerror or exc}",
+                section="pepsi-web",
+                key="LISTEN",
+            ) from None
+        log.info("web console at %s", running.url)
+        return running
 
     def _metrics_snapshot(self) -> Snapshot:
         """Counters since start and the pools' gauges, taken on the loop."""

@@ -876,3 +876,112 @@ SELECT pg_notify('pepsi_live', part) FROM unnest(%(payloads)s::text[]) AS part;
 -- name: live_listen
 -- Readers of the live snapshot (pepsi.admin.live: pepsi top, the web console).
 LISTEN pepsi_live;
+
+-- name: workqueue_page_pending
+-- One page of a stage's pending rows (admin/queue.py list_messages, the web console's
+-- stage page), after a workqueue_id: workqueue_pending_idx in order, no sort, no offset.
+-- The stage is bounded as a range, not an equality, and the order names it: then only
+-- the (stage, workqueue_id) index gives the order, and the planner cannot walk the
+-- primary key filtering (fine on average, a scan of the table when the stage's rows
+-- sit at its far end).
+SELECT workqueue_id, stage, status::text, arrived, timeout, sender_key, message_id,
+       state->>'last_error', coalesce((state->>'strikes')::int, 0)
+FROM pepsi.workqueue
+WHERE status = 'pending'
+  AND (stage, workqueue_id) > (%(stage)s::text, %(after)s::bigint) AND stage <= %(stage)s
+  AND (%(sender_key)s::text IS NULL OR sender_key = %(sender_key)s)
+  AND (%(failure_class)s::text IS NULL OR state->>'failure_class' = %(failure_class)s)
+  AND (%(older_than)s::float8 IS NULL
+       OR arrived <= now() - make_interval(secs => %(older_than)s::float8))
+ORDER BY stage, workqueue_id
+LIMIT %(limit)s;
+
+-- name: workqueue_page_failed
+-- As workqueue_page_pending for failed and timeout rows (status: one of them, or NULL
+-- for both), along workqueue_failed_idx.
+SELECT workqueue_id, stage, status::text, arrived, timeout, sender_key, message_id,
+       state->>'last_error', coalesce((state->>'strikes')::int, 0)
+FROM pepsi.workqueue
+WHERE status IN ('failed', 'timeout')
+  AND (%(status)s::text IS NULL OR status::text = %(status)s)
+  AND (stage, workqueue_id) > (%(stage)s::text, %(after)s::bigint) AND stage <= %(stage)s
+  AND (%(sender_key)s::text IS NULL OR sender_key = %(sender_key)s)
+  AND (%(failure_class)s::text IS NULL OR state->>'failure_class' = %(failure_class)s)
+  AND (%(older_than)s::float8 IS NULL
+       OR arrived <= now() - make_interval(secs => %(older_than)s::float8))
+ORDER BY stage, workqueue_id
+LIMIT %(limit)s;
+
+-- name: workqueue_page_any
+-- One page of any rows (any stage, any status), after a workqueue_id, in the primary
+-- key's order: paused and running rows are few; a listing of every status walks the key.
+SELECT workqueue_id, stage, status::text, arrived, timeout, sender_key, message_id,
+       state->>'last_error', coalesce((state->>'strikes')::int, 0)
+FROM pepsi.workqueue
+WHERE (%(stage)s::text IS NULL OR stage = %(stage)s)
+  AND (%(status)s::text IS NULL OR status::text = %(status)s)
+  AND workqueue_id > %(after)s::bigint
+  AND (%(sender_key)s::text IS NULL OR sender_key = %(sender_key)s)
+  AND (%(failure_class)s::text IS NULL OR state->>'failure_class' = %(failure_class)s)
+  AND (%(older_than)s::float8 IS NULL
+       OR arrived <= now() - make_interval(secs => %(older_than)s::float8))
+ORDER BY workqueue_id
+LIMIT %(limit)s;
+
+-- name: web_select_matching
+-- The ids a repair from the web console applies to: as workqueue_select_matching, narrowed
+-- by the stage page's filters (sender key, rows older than some seconds).
+SELECT workqueue_id, status::text FROM pepsi.workqueue
+WHERE (cardinality(%(ids)s::bigint[]) = 0 OR workqueue_id = ANY(%(ids)s::bigint[]))
+  AND (%(stage)s::text IS NULL OR stage = %(stage)s
+       OR state->>'failed_stage' = %(stage)s)
+  AND (%(failure_class)s::text IS NULL OR state->>'failure_class' = %(failure_class)s)
+  AND (%(sender_key)s::text IS NULL OR sender_key = %(sender_key)s)
+  AND (%(older_than)s::float8 IS NULL
+       OR arrived <= now() - make_interval(secs => %(older_than)s::float8))
+  AND status = ANY(%(statuses)s::pepsi.workqueue_status[])
+ORDER BY workqueue_id;
+
+-- name: web_message_head
+-- The first bytes of one message's header and body (the web console shows no more).
+SELECT substring(b.header FROM 1 FOR %(limit)s), substring(b.body FROM 1 FOR %(limit)s)
+FROM pepsi.workqueue w LEFT JOIN pepsi.workqueue_body b USING (body_id)
+WHERE w.workqueue_id = %(id)s;
+
+-- name: web_overview_oldest_pending
+-- The web console's overview: per stage, the oldest pending row's age and id. One probe
+-- of workqueue_pending_idx (stage, workqueue_id) WHERE status = 'pending' per stage:
+-- the oldest id is the head of the stage's range, so the backlog is never scanned.
+-- The stage is bounded (>= and <=) rather than equal on purpose: with `=` the planner
+-- takes the stage as constant, drops it from the order and may walk the primary key
+-- instead, filtering every row of the table when the stage has none pending.
+SELECT s.stage, extract(epoch FROM now() - h.arrived)::float8 AS age_s, h.workqueue_id
+FROM unnest(%(stages)s::text[]) AS s(stage)
+CROSS JOIN LATERAL (
+    SELECT q.arrived, q.workqueue_id FROM pepsi.workqueue q
+    WHERE q.stage >= s.stage AND q.stage <= s.stage AND q.status = 'pending'
+    ORDER BY q.stage, q.workqueue_id
+    LIMIT 1
+) h;
+
+-- name: web_overview_stage_stats
+-- The web console's chart: the dispatcher's cumulative counters per stage and when it
+-- last flushed them (one row per stage; the console turns successive reads into
+-- per-minute counts: the table keeps no history). The server's clock comes along.
+SELECT now(), s.stage, s.processed, s.failed, s.updated
+FROM (SELECT 1) AS one
+LEFT JOIN pepsi.stage_stats s ON true
+ORDER BY s.stage;
+
+-- name: web_overview_amqp_queues
+-- The web console's stage graph: declared AMQP queues (their stage names), the first
+-- few by name, and how many there are in all.
+SELECT q.stage, count(*) OVER () FROM pepsi.amqp_queue q ORDER BY q.stage LIMIT %(limit)s;
+
+-- name: workqueue_page_in_order
+-- Before a workqueue_page_* query, in its transaction: take the rows in the index's
+-- order, never gathered and sorted. A filter the planner misjudges (a failure class,
+-- an age: it expects few rows) would otherwise have it sort every row of a large stage
+-- past the page's start; in order, a page reads the stage's index from that id until
+-- the page is full.
+SET LOCAL enable_sort = off;

@@ -1,0 +1,500 @@
+"""The overview's data: what the database, the dispatcher and its live feed say now.
+
+One `OverviewState` per console app (`OVERVIEW`), with two tasks started and
+stopped with the app (`lifecycle`):
+
+- the live listener: an autocommit async connection of its own LISTENs on
+  `pepsi_live` (`pepsi.admin.live.AsyncLiveListener`) and feeds the state's
+  `LiveRates`; it reconnects after a failure, every RECONNECT_AFTER seconds;
+- the statistics sampler: every SAMPLE_EVERY seconds it reads the dispatcher's
+  cumulative counters (`pepsi.stage_stats`) into `MinuteHistory`, the last
+  hour's per-minute processed and failed counts. The table keeps one row of
+  running totals per stage and no history, so the chart holds what the
+  console has seen since it started (at most the last hour).
+
+`build` makes one `Overview`: counts per stage and status (a scan of the
+queue: redone at most as often as `pepsi top` would, `counts_due`), the
+oldest pending row per stage (an index probe each), workers and in-flight
+messages (the dispatcher's pools when the console runs inside it, else its
+live snapshot, else pg_stat_activity and the running rows), rates
+(`current_rates`: the live snapshots, else the last two statistics flushes,
+as `pepsi top` takes them), warnings (back-pressure, the MVCC horizon).
+Results are shared for CACHE_FOR seconds between the requests of all browsers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+from aiohttp import web
+
+from pepsi.admin import top
+from pepsi.admin.activity import Counted, count_queue, read_sample
+from pepsi.admin.horizon import HORIZON_WARN_AFTER, warn_after, warning
+from pepsi.admin.live import AsyncLiveListener, LiveRates, LiveView
+from pepsi.config import Config
+from pepsi.config.values import is_amqp_stage
+from pepsi.db.connect import connect_async
+from pepsi.db.queries import query
+from pepsi.durations import format_duration
+from pepsi.errors import ConfigError, PepsiError, one_line
+from pepsi.web import graph
+
+log = logging.getLogger("pepsi.web")
+
+SAMPLE_EVERY = 15.0  # seconds between two reads of the statistics for the chart
+RECONNECT_AFTER = 5.0  # seconds before the live listener connects again
+CACHE_FOR = 1.0  # seconds an overview is shared between requests
+HISTORY_MINUTES = 60
+MAX_QUEUES = 40  # AMQP queues drawn in the graph beyond those the stages name
+COUNT_INTERVAL = 2.0  # how often the page refreshes: the budget of the queue's count
+LIVE_APPLICATION_NAME = "pepsi-web-live"
+
+Conn = psycopg.Connection[Any]
+StatsRow = tuple[str, int, int, datetime]  # stage, processed, failed, updated
+
+
+# ---- the last hour: pure --------------------------------------------------------------
+
+
+class MinuteHistory:
+    """Per-minute processed and failed counts per stage, from successive reads of
+    cumulative counters. A read's increase over the one before is counted in the
+    minute the counters were written (`updated`, the flush); the first read of a
+    stage, and a counter that went back (reset), only set where counting starts."""
+
+    def __init__(self, minutes: int = HISTORY_MINUTES) -> None:
+        self.minutes = minutes
+        self.last: dict[str, tuple[int, int]] = {}
+        self.buckets: dict[datetime, dict[str, tuple[int, int]]] = {}
+        self.since: datetime | None = None  # the first read
+
+    def observe(self, rows: Iterable[StatsRow], now: datetime) -> None:
+        if self.since is None:
+            self.since = now
+        for stage, processed, failed, updated in rows:
+            before = self.last.get(stage)
+            self.last[stage] = (processed, failed)
+            if before is None or processed < before[0] or failed < before[1]:
+                continue
+            more = (processed - before[0], failed - before[1])
+            if more == (0, 0):
+                continue
+            minute = _minute(min(updated, now))
+            bucket = self.buckets.setdefault(minute, {})
+            p, f = bucket.get(stage, (0, 0))
+            bucket[stage] = (p + more[0], f + more[1])
+        first = _minute(now) - timedelta(minutes=self.minutes - 1)
+        for minute in [m for m in self.buckets if m < first]:
+            del self.buckets[minute]
+
+    def series(self, now: datetime) -> list[graph.Minute]:
+        """The last `minutes` minutes up to now's, oldest first."""
+        last = _minute(now)
+        out = []
+        for back in range(self.minutes - 1, -1, -1):
+            minute = last - timedelta(minutes=back)
+            by_stage = self.buckets.get(minute, {})
+            out.append(
+                graph.Minute(
+                    label=minute.strftime("%H:%M"),
+                    processed=sum(p for p, _ in by_stage.values()),
+                    failed=sum(f for _, f in by_stage.values()),
+                    by_stage=dict(by_stage),
+                )
+            )
+        return out
+
+
+def _minute(at: datetime) -> datetime:
+    return at.replace(second=0, microsecond=0)
+
+
+# ---- what the page shows ----------------------------------------------------------------
+
+LIVE, STATS, NONE = "live", "stats", "none"  # where the rates come from
+FROM_DISPATCHER, FROM_LIVE, FROM_DATABASE = "dispatcher", "live", "database"  # workers
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per-stage rates (counter -> per second; None: not known) and their source."""
+
+    source: str  # LIVE, STATS or NONE
+    window: float | None  # seconds they average over
+    stages: Mapping[str, Mapping[str, float | None]]
+
+    def of(self, stage: str, counter: str) -> float | None:
+        return self.stages.get(stage, {}).get(counter)
+
+    @property
+    def describe(self) -> str:
+        if self.source == LIVE:
+            return f"live: the dispatcher's snapshots, over the last {self.window or 0:.0f}s"
+        window = self.window
+        if self.source == STATS and window is None:
+            return "statistics tables: nothing counted since the last flush (no dispatcher)"
+        if self.source == STATS and window is not None:
+            return f"statistics tables: over the last {format_duration(window)}"
+        return "no rates yet: no live snapshot, and fewer than two statistics flushes seen"
+
+
+def current_rates(stats: top.Frame, live: LiveView) -> Rates:
+    """The freshest rates: the live snapshots while the dispatcher is heard from, else
+    those of the statistics flushes (`pepsi.admin.top.frame`)."""
+    chosen = top.with_live(stats, live)
+    source = LIVE if chosen.rates_source == top.LIVE else STATS
+    known = any(v is not None for row in chosen.stages for v in row.rates.values())
+    if source == STATS and not known:
+        source = NONE
+    return Rates(source, chosen.window, {row.stage: row.rates for row in chosen.stages})
+
+
+@dataclass(frozen=True)
+class StageLine:
+    name: str
+    href: str
+    configured: bool
+    amqp: bool
+    pending: int
+    running: int
+    paused: int
+    failed: int
+    timeout: int
+    in_flight: int | None
+    workers: int | None
+    worker_limit: int | None
+    processed_rate: float | None
+    failed_rate: float | None
+    oldest_pending_s: float | None
+
+
+@dataclass(frozen=True)
+class Notice:
+    kind: str  # horizon, backpressure, dispatcher, ...
+    text: str
+
+
+@dataclass(frozen=True)
+class Overview:
+    now: datetime
+    stages: tuple[StageLine, ...]
+    graph_svg: str
+    chart_svg: str
+    chart_since: datetime | None
+    chart_processed: int
+    chart_failed: int
+    rates: Rates
+    live_state: str
+    workers_source: str
+    dispatcher_pid: int | None
+    counts_age: float
+    warnings: tuple[Notice, ...]
+    queues_more: int = 0  # AMQP queues not drawn
+    live_error: str | None = None  # why the live feed is not listened to
+
+
+# ---- reading ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DbRead:
+    sample: top.Sample
+    counted: Counted
+    oldest: Mapping[str, float]
+    stats_now: datetime
+    stats: tuple[StatsRow, ...]
+    queues: tuple[str, ...]
+    queue_total: int
+
+
+def read_stats(conn: Conn) -> tuple[datetime, tuple[StatsRow, ...]]:
+    """The server's clock and the cumulative counters per stage (`web_overview_stage_stats`)."""
+    rows = conn.execute(query("web_overview_stage_stats")).fetchall()
+    now: datetime = rows[0][0]
+    return now, tuple(
+        (str(stage), int(p), int(f), updated) for _, stage, p, f, updated in rows if stage
+    )
+
+
+def read_oldest_pending(conn: Conn, stages: Sequence[str]) -> dict[str, float]:
+    """Stage -> seconds since its oldest pending row arrived (stages with none left out)."""
+    rows = conn.execute(query("web_overview_oldest_pending"), {"stages": list(stages)})
+    return {str(stage): max(0.0, float(age)) for stage, age, _ in rows}
+
+
+def read_amqp_queues(conn: Conn, limit: int = MAX_QUEUES) -> tuple[tuple[str, ...], int]:
+    """The declared AMQP queues' stages (the first `limit` by name) and how many in all."""
+    rows = conn.execute(query("web_overview_amqp_queues"), {"limit": limit}).fetchall()
+    return tuple(str(stage) for stage, _ in rows), int(rows[0][1]) if rows else 0
+
+
+def read_db(conn: Conn, stages: Sequence[str], counted: Counted | None) -> DbRead:
+    """Everything the overview reads, on one connection (autocommit)."""
+    if counted is None or top.counts_due(
+        counted.at, counted.took, time.monotonic(), COUNT_INTERVAL
+    ):
+        counted = count_queue(conn)
+    sample = read_sample(conn, counted.counts, time.monotonic() - counted.at)
+    queues, total = read_amqp_queues(conn)
+    names = sorted(set(stages) | set(counted.counts) | set(queues))
+    oldest = read_oldest_pending(conn, names)
+    stats_now, stats = read_stats(conn)
+    return DbRead(sample, counted, oldest, stats_now, stats, queues, total)
+
+
+# ---- the state of one console ------------------------------------------------------------
+
+
+@dataclass
+class OverviewState:
+    rates: LiveRates = field(default_factory=LiveRates)
+    history: MinuteHistory = field(default_factory=MinuteHistory)
+    seen: tuple[top.Sample, ...] = ()
+    counted: Counted | None = None
+    cached: tuple[float, Overview] | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    listening: bool = False  # the live listener's LISTEN is in place
+    listen_error: str | None = None
+
+    def live_view(self) -> LiveView:
+        return self.rates.view(time.monotonic())
+
+
+OVERVIEW = web.AppKey("overview", OverviewState)
+
+
+async def listen(state: OverviewState, dsn: str, timeout: float) -> None:
+    """Feed `state.rates` from `pepsi_live` until cancelled, reconnecting after failures."""
+    while True:
+        conn: psycopg.AsyncConnection[Any] | None = None
+        try:
+            conn = await connect_async(dsn, application_name=LIVE_APPLICATION_NAME, timeout=timeout)
+            listener = AsyncLiveListener(conn, state.rates)
+            await listener.start()
+            if state.listen_error is not None:
+                log.info("web: live feed listening again")
+            state.listening, state.listen_error = True, None
+            await listener.run()
+        except asyncio.CancelledError:
+            raise
+        except (psycopg.Error, PepsiError, OSError) as exc:  # the database went away: retry
+            error = one_line(exc)
+            if error != state.listen_error:  # once, not every RECONNECT_AFTER
+                log.warning("web: live feed unavailable: %s", error)
+            state.listen_error = error
+        finally:
+            state.listening = False
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.close()
+        await asyncio.sleep(RECONNECT_AFTER)
+
+
+async def sample_stats(state: OverviewState, console: Any) -> None:
+    """One read of the statistics into the history."""
+    now, rows = await console.db(read_stats)
+    state.history.observe(rows, now)
+
+
+async def sampler(state: OverviewState, console: Any) -> None:
+    """Read the statistics every SAMPLE_EVERY seconds, until cancelled."""
+    while True:
+        await asyncio.sleep(SAMPLE_EVERY)  # the first read: the first page's, or this one's
+        try:
+            await sample_stats(state, console)
+        except asyncio.CancelledError:
+            raise
+        except (psycopg.Error, PepsiError, OSError) as exc:
+            log.warning("web: reading the statistics failed: %s", one_line(exc))
+
+
+def lifecycle(console: Any) -> Any:
+    """The app's cleanup context: the state, the live listener and the sampler."""
+
+    async def run(app: web.Application) -> AsyncIterator[None]:
+        state = app[OVERVIEW]
+        tasks = [
+            asyncio.create_task(
+                listen(state, console.dsn, console.config.postgres.connect_timeout),
+                name="pepsi-web-live",
+            ),
+            asyncio.create_task(sampler(state, console), name="pepsi-web-stats"),
+        ]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    return run
+
+
+# ---- one overview ----------------------------------------------------------------------
+
+
+async def overview(state: OverviewState, console: Any) -> Overview:
+    """The overview now, or one taken less than CACHE_FOR seconds ago."""
+    async with state.lock:
+        cached = state.cached
+        if cached is not None and time.monotonic() - cached[0] < CACHE_FOR:
+            return cached[1]
+        config: Config = console.config
+        read = await console.db(read_db, list(config.stages), state.counted)
+        state.counted = read.counted
+        state.history.observe(read.stats, read.stats_now)
+        result = build(state, config, read, console.dispatcher)
+        state.cached = (time.monotonic(), result)
+        return result
+
+
+def build(state: OverviewState, config: Config, read: DbRead, dispatcher: Any) -> Overview:
+    sample = read.sample
+    state.seen = top.anchors(state.seen, sample)
+    stats_frame = top.frame(state.seen, sample, list(config.stages), config.dispatch.stats_interval)
+    live = state.live_view()
+    rates = current_rates(stats_frame, live)
+    pools = _pools(dispatcher)
+    workers_source = (
+        FROM_DISPATCHER
+        if pools is not None
+        else FROM_LIVE
+        if live.state == "live"
+        else FROM_DATABASE
+    )
+    names = list(config.stages)
+    for name in [*sorted(sample.counts), *read.queues]:
+        if name not in names:
+            names.append(name)
+    lines = []
+    for name in names:
+        counts = sample.counts.get(name, {})
+        in_flight: int | None
+        workers: int | None
+        limit: int | None = None
+        if pools is not None:
+            gauge = pools.get(name)
+            in_flight, workers, limit = gauge if gauge else (0, 0, None)
+        elif workers_source == FROM_LIVE and name in live.stages:
+            in_flight, workers = live.stages[name].in_flight, live.stages[name].workers
+        else:
+            in_flight, workers = counts.get("running", 0), sample.workers.get(name, 0)
+        if is_amqp_stage(name) and name not in config.stages:
+            workers = limit = None  # a queue: consumers, not workers
+        lines.append(
+            StageLine(
+                name=name,
+                href=graph.stage_href(name),
+                configured=name in config.stages,
+                amqp=is_amqp_stage(name),
+                pending=counts.get("pending", 0),
+                running=counts.get("running", 0),
+                paused=counts.get("paused", 0),
+                failed=counts.get("failed", 0),
+                timeout=counts.get("timeout", 0),
+                in_flight=in_flight,
+                workers=workers,
+                worker_limit=limit,
+                processed_rate=rates.of(name, "processed"),
+                failed_rate=rates.of(name, "failed"),
+                oldest_pending_s=read.oldest.get(name),
+            )
+        )
+    extra = [q for q in read.queues if q not in config.stages]
+    layout = graph.layout(config, extra)
+    backlog = {
+        line.name: graph.Backlog(line.pending, line.running, line.failed + line.timeout)
+        for line in lines
+    }
+    minutes = state.history.series(read.stats_now)
+    return Overview(
+        now=sample.now,
+        stages=tuple(lines),
+        graph_svg=graph.render_graph(layout, backlog),
+        chart_svg=graph.render_chart(minutes),
+        chart_since=state.history.since,
+        chart_processed=sum(m.processed for m in minutes),
+        chart_failed=sum(m.failed for m in minutes),
+        rates=rates,
+        live_state=live.state,
+        workers_source=workers_source,
+        dispatcher_pid=sample.dispatcher_pid,
+        counts_age=sample.counts_age,
+        warnings=tuple(warnings(sample, dispatcher)),
+        queues_more=max(0, read.queue_total - len(read.queues)),
+        live_error=None if state.listening else state.listen_error,
+    )
+
+
+def _pools(dispatcher: Any) -> dict[str, tuple[int, int, int | None]] | None:
+    """stage -> (in flight, workers, worker limit) from the dispatcher serving this console
+    (read on its loop, as its metrics are); None without one."""
+    if dispatcher is None:
+        return None
+    try:
+        supervisor = dispatcher.supervisor
+        now = supervisor.clock()
+        return {
+            name: (
+                sum(len(w.inflight) for w in pool.workers.values()),
+                len(pool.workers),
+                pool.limit(supervisor.cap(name, now)),
+            )
+            for name, pool in supervisor.pools.items()
+        }
+    except AttributeError:  # not a dispatcher as this console knows it
+        return None
+
+
+def warnings(sample: top.Sample, dispatcher: Any) -> list[Notice]:
+    out = []
+    try:
+        threshold = warn_after()
+    except ConfigError:
+        threshold = HORIZON_WARN_AFTER
+    text = warning(sample.horizon, threshold)
+    if text is not None:
+        out.append(Notice("horizon", text.removeprefix("warning: ")))
+    out.extend(backpressure(dispatcher))
+    if sample.dispatcher_pid is None and dispatcher is None:
+        out.append(Notice("dispatcher", "no dispatcher is running: nothing is processed"))
+    return out
+
+
+def backpressure(dispatcher: Any) -> list[Notice]:
+    """The stages whose parallelism a connection-limit failure (status 75) halved."""
+    if dispatcher is None:
+        return []
+    try:
+        supervisor = dispatcher.supervisor
+        now = supervisor.clock()
+        caps = dict(supervisor.caps)
+        pools = supervisor.pools
+    except AttributeError:
+        return []
+    out = []
+    for stage, cap in sorted(caps.items()):
+        if cap.until <= now:
+            continue
+        pool = pools.get(stage)
+        parallelism = pool.config.parallelism if pool is not None else "?"
+        out.append(
+            Notice(
+                "backpressure",
+                f"stage {stage} is held to {cap.workers} worker(s) of {parallelism} for "
+                f"{format_duration(cap.until - now)} more: the database's connection limit "
+                "was reached (status 75)",
+            )
+        )
+    return out

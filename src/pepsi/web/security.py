@@ -1,0 +1,125 @@
+"""Who may use the console and how a request proves it. Pure: no I/O, the clock injected.
+
+- **Sessions** are signed cookies: `payload.signature`, the payload a JSON object
+  with an expiry and the session's CSRF token, signed with HMAC-SHA256 under a
+  secret drawn when the console starts (so a restart logs everybody out). Nothing
+  is stored on the server.
+- **CSRF**: every form that changes something carries the session's token, and a
+  POST must also come from the console's own origin (`Origin`, else `Referer`).
+  With the cookie's SameSite=Strict that makes three independent checks.
+- **Access**: with a password configured, every page needs a session; without
+  one, the console serves only loopback clients and repairs nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import ipaddress
+import json
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+COOKIE = "pepsi_session"
+CSRF_FIELD = "csrf"
+
+
+def is_loopback(host: str | None) -> bool:
+    """127.0.0.0/8, ::1, or an IPv4 loopback address mapped into IPv6."""
+    if not host:
+        return False
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host == "localhost"
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+@dataclass(frozen=True)
+class Session:
+    expires: float
+    csrf: str
+    user: str = "admin"
+
+
+class Sessions:
+    """Signs and checks session cookies."""
+
+    def __init__(self, ttl: float, clock: Callable[[], float], secret: bytes | None = None):
+        self.ttl = ttl
+        self.clock = clock
+        self._secret = secret if secret is not None else secrets.token_bytes(32)
+
+    def new(self, user: str = "admin") -> tuple[Session, str]:
+        """A fresh session and its cookie value."""
+        session = Session(self.clock() + self.ttl, secrets.token_urlsafe(24), user)
+        payload = json.dumps(
+            {"exp": session.expires, "csrf": session.csrf, "user": user}, separators=(",", ":")
+        ).encode()
+        encoded = base64.urlsafe_b64encode(payload).decode().rstrip("=")
+        return session, f"{encoded}.{self._sign(encoded)}"
+
+    def read(self, cookie: str | None) -> Session | None:
+        """The session a cookie holds, or None (absent, forged, expired, malformed)."""
+        if not cookie or cookie.count(".") != 1:
+            return None
+        encoded, signature = cookie.split(".")
+        if not hmac.compare_digest(signature, self._sign(encoded)):
+            return None
+        try:
+            data = json.loads(base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)))
+            session = Session(float(data["exp"]), str(data["csrf"]), str(data["user"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+        return session if session.expires > self.clock() else None
+
+    def _sign(self, encoded: str) -> str:
+        digest = hmac.new(self._secret, encoded.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+def same_origin(origin: str | None, referer: str | None, host: str | None, scheme: str) -> bool:
+    """Whether a POST comes from the console's own pages: its Origin (or, when a
+    browser sends none, its Referer) names this scheme and host."""
+    if not host:
+        return False
+    source = origin if origin and origin != "null" else referer
+    if not source:
+        return False
+    parts = urlsplit(source)
+    return parts.scheme == scheme and parts.netloc.lower() == host.lower()
+
+
+def csrf_ok(session: Session | None, submitted: str | None) -> bool:
+    return (
+        session is not None
+        and submitted is not None
+        and hmac.compare_digest(session.csrf.encode(), submitted.encode())
+    )
+
+
+@dataclass(frozen=True)
+class Access:
+    """What one request may do."""
+
+    allowed: bool  # may see the console at all
+    needs_login: bool  # no session yet: send it to the login page
+    can_repair: bool
+    user: str | None  # for the log of repairs
+
+
+def access(
+    *, password_set: bool, read_only: bool, session: Session | None, peer: str | None
+) -> Access:
+    if password_set:
+        if session is None:
+            return Access(False, True, False, None)
+        return Access(True, False, not read_only, session.user)
+    if not is_loopback(peer):  # no password: this machine only
+        return Access(False, False, False, None)
+    return Access(True, False, False, None)  # and read-only: repairs need a login

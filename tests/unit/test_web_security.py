@@ -1,0 +1,87 @@
+"""The console's access rules, sessions and CSRF checks (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pepsi.web import security
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_session_cookie_round_trips_and_expires() -> None:
+    clock = Clock()
+    sessions = security.Sessions(60, clock, secret=b"k" * 32)
+    session, cookie = sessions.new()
+    assert sessions.read(cookie) == session
+    clock.now += 61
+    assert sessions.read(cookie) is None
+
+
+@pytest.mark.parametrize(
+    "cookie", [None, "", "x", "a.b.c", "eyJ9.AAAA", "e30.forged-signature-here"]
+)
+def test_malformed_or_forged_cookies_are_no_session(cookie: str | None) -> None:
+    assert security.Sessions(60, Clock(), secret=b"k" * 32).read(cookie) is None
+
+
+def test_a_cookie_signed_with_another_secret_is_refused() -> None:
+    _, cookie = security.Sessions(60, Clock(), secret=b"a" * 32).new()
+    assert security.Sessions(60, Clock(), secret=b"b" * 32).read(cookie) is None
+    payload, signature = cookie.split(".")
+    assert security.Sessions(60, Clock(), secret=b"a" * 32).read(payload + "x." + signature) is None
+
+
+def test_csrf_needs_the_sessions_own_token() -> None:
+    session, _ = security.Sessions(60, Clock()).new()
+    assert security.csrf_ok(session, session.csrf)
+    assert not security.csrf_ok(session, "guess")
+    assert not security.csrf_ok(session, None)
+    assert not security.csrf_ok(None, session.csrf)
+
+
+@pytest.mark.parametrize(
+    ("origin", "referer", "ok"),
+    [
+        ("http://127.0.0.1:8080", None, True),
+        ("http://evil.example", None, False),
+        ("null", "http://127.0.0.1:8080/stage/a", True),
+        (None, "http://127.0.0.1:8080/x", True),
+        (None, "http://127.0.0.1:8081/x", False),
+        ("https://127.0.0.1:8080", None, False),  # another scheme is another origin
+        (None, None, False),
+    ],
+)
+def test_a_post_must_come_from_the_consoles_origin(
+    origin: str | None, referer: str | None, ok: bool
+) -> None:
+    assert security.same_origin(origin, referer, "127.0.0.1:8080", "http") is ok
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("::ffff:127.0.0.1", True),
+     ("10.0.0.1", False), ("192.0.2.7", False), (None, False), ("localhost", True)],
+)  # fmt: skip
+def test_loopback(host: str | None, loopback: bool) -> None:
+    assert security.is_loopback(host) is loopback
+
+
+def test_access_rules() -> None:
+    session, _ = security.Sessions(60, Clock()).new("admin")
+    with_password = security.access(password_set=True, read_only=False, session=None, peer="::1")
+    assert (with_password.allowed, with_password.needs_login) == (False, True)
+    logged_in = security.access(password_set=True, read_only=False, session=session, peer="x")
+    assert (logged_in.allowed, logged_in.can_repair, logged_in.user) == (True, True, "admin")
+    read_only = security.access(password_set=True, read_only=True, session=session, peer="x")
+    assert (read_only.allowed, read_only.can_repair) == (True, False)
+    local = security.access(password_set=False, read_only=False, session=None, peer="127.0.0.1")
+    assert (local.allowed, local.can_repair) == (True, False)  # no password: look, no repairs
+    remote = security.access(password_set=False, read_only=False, session=None, peer="10.1.2.3")
+    assert remote.allowed is False
