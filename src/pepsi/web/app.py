@@ -120,6 +120,10 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             log.warning("web: cross-site POST to %s from %s refused", request.path, request.remote)
             raise web.HTTPForbidden(text="cross-site request refused")
         if request.path != "/login":
+            if session is None:  # no login, no form token: nothing a POST may change
+                raise web.HTTPForbidden(
+                    text="read-only console: set [pepsi-web] PASSWORD and log in to repair"
+                )
             form = await request.post()
             submitted = form.get(security.CSRF_FIELD)
             if not security.csrf_ok(session, submitted if isinstance(submitted, str) else None):

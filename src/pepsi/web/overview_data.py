@@ -52,7 +52,7 @@ log = logging.getLogger("pepsi.web")
 
 SAMPLE_EVERY = 15.0  # seconds between two reads of the statistics for the chart
 RECONNECT_AFTER = 5.0  # seconds before the live listener connects again
-CACHE_FOR = 1.0  # seconds an overview is shared between requests
+CACHE_FOR = 2.0  # seconds an overview is shared between requests: the page's refresh
 HISTORY_MINUTES = 60
 MAX_QUEUES = 40  # AMQP queues drawn in the graph beyond those the stages name
 COUNT_INTERVAL = 2.0  # how often the page refreshes: the budget of the queue's count

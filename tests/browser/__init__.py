@@ -1,0 +1,1 @@
+"""A headless Chromium drives the web console against a live dispatcher."""
