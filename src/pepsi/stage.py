@@ -15,6 +15,14 @@
 
 Any other exception is a host failure: the message is paused and retried
 (1, 2, 4 … minutes, up to an hour) until the stage's MAX_LIFETIME.
+
+    @stage(transactional=True)    # msg.db: the transaction that records the outcome
+    def book(msg: Message) -> None:
+        msg.db.execute("INSERT INTO bookings (message) VALUES (%s)", (msg.id,))
+        # the insert and the advance commit together, or neither does
+
+A transactional stage's writes through `msg.db` commit with its outcome in
+one transaction per message (exactly once); an exception rolls them back.
 """
 
 from __future__ import annotations
@@ -24,10 +32,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import Enum
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from pepsi.config import StageConfig
 from pepsi.errors import PepsiError
+
+if TYPE_CHECKING:
+    import psycopg
 
 
 class Needs(Enum):
@@ -63,22 +74,33 @@ Outcome = Advance | Finish | Pause
 
 F = TypeVar("F", bound=Callable[..., Any])
 STAGE_ATTRIBUTE = "__pepsi_needs__"
+TRANSACTIONAL_ATTRIBUTE = "__pepsi_transactional__"
 
 
 @overload
 def stage(func: F, /) -> F: ...
 @overload
-def stage(needs: Needs | str = Needs.METADATA, /) -> Callable[[F], F]: ...
+def stage(
+    needs: Needs | str = Needs.METADATA, /, *, transactional: bool = False
+) -> Callable[[F], F]: ...
 @overload
-def stage(*, needs: Needs | str = Needs.METADATA) -> Callable[[F], F]: ...
+def stage(
+    *, needs: Needs | str = Needs.METADATA, transactional: bool = False
+) -> Callable[[F], F]: ...
 
 
 def stage(
-    func_or_needs: Any = Needs.METADATA, /, needs: Needs | str | None = None
+    func_or_needs: Any = Needs.METADATA,
+    /,
+    needs: Needs | str | None = None,
+    *,
+    transactional: bool = False,
 ) -> Callable[[F], F] | Any:
-    """Declare a function a Pepsi stage and what it needs loaded.
+    """Declare a function a Pepsi stage, what it needs loaded, and whether it is
+    transactional (its writes through `msg.db` commit with its outcome).
 
-    Bare `@stage` (metadata only), `@stage()` and `@stage(needs="body")` all work.
+    Bare `@stage` (metadata only), `@stage()`, `@stage(needs="body")` and
+    `@stage(needs="body", transactional=True)` all work.
     """
     if callable(func_or_needs) and needs is None:  # bare @stage: handed the function
         setattr(func_or_needs, STAGE_ATTRIBUTE, Needs.METADATA)
@@ -87,6 +109,8 @@ def stage(
 
     def mark(func: F) -> F:
         setattr(func, STAGE_ATTRIBUTE, wanted)
+        if transactional:
+            setattr(func, TRANSACTIONAL_ATTRIBUTE, True)
         return func
 
     return mark
@@ -96,6 +120,11 @@ def needs_of(func: Callable[..., Any]) -> Needs:
     """What a stage function declared; undecorated functions need metadata only."""
     value = getattr(func, STAGE_ATTRIBUTE, Needs.METADATA)
     return value if isinstance(value, Needs) else Needs.METADATA
+
+
+def is_transactional(func: Callable[..., Any]) -> bool:
+    """Whether a stage function declared `@stage(transactional=True)`."""
+    return getattr(func, TRANSACTIONAL_ATTRIBUTE, False) is True
 
 
 BodyLoader = Callable[[], tuple[bytes | None, bytes | None]]
@@ -124,6 +153,8 @@ class Message:
     _header: bytes | None = field(default=None, repr=False)
     _body: bytes | None = field(default=None, repr=False)
     _loader: BodyLoader | None = field(default=None, repr=False)
+    _token: str | None = field(default=None, repr=False)  # the claim's xmin, as loaded
+    _db: psycopg.Connection[Any] | None = field(default=None, repr=False)
 
     def _load(self) -> None:
         if self._loader is not None:
@@ -144,6 +175,19 @@ class Message:
         """The body (loaded on first access if the stage did not declare it)."""
         self._load()
         return self._body
+
+    @property
+    def db(self) -> psycopg.Connection[Any]:
+        """The transaction that will record this message's outcome (transactional stages).
+
+        A psycopg connection inside an open transaction: what the stage
+        writes through it commits together with the outcome, or not at all.
+        Do not commit, roll back or close it; raise to undo. An async stage
+        gets the same synchronous connection.
+        """
+        if self._db is None:
+            raise PepsiError("msg.db is only open while a @stage(transactional=True) stage runs")
+        return self._db
 
     def json(self) -> Any:
         """The body decoded as JSON (as `publish(..., json=obj)` sent it).

@@ -37,7 +37,8 @@ SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
        w.origin_user, host(w.origin_peer), w.header_from, w.subject, w.content_type,
        w.correlation_id, w.properties, w.state, w.sender_key, w.body_id,
        CASE WHEN %(with_header)s THEN b.header END AS header,
-       CASE WHEN %(with_body)s THEN b.body END AS body
+       CASE WHEN %(with_body)s THEN b.body END AS body,
+       w.xmin::text AS token  -- the claim token (issue 18): last, as in the next query
 FROM pepsi.workqueue w
 LEFT JOIN pepsi.workqueue_body b ON %(with_header)s AND b.body_id = w.body_id
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.stage = %(stage)s;
@@ -60,7 +61,8 @@ SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
               SELECT lower(a) FROM unnest(
                   CASE WHEN w.state -> 'local_origin' = 'true'::jsonb
                        THEN ARRAY[w.sender] ELSE w.recipients END) AS a))) AS overrides,
-       EXISTS (SELECT 1 FROM pepsi.settings s WHERE s.stage = %(stage)s) AS any_override
+       EXISTS (SELECT 1 FROM pepsi.settings s WHERE s.stage = %(stage)s) AS any_override,
+       w.xmin::text AS token
 FROM pepsi.workqueue w
 LEFT JOIN pepsi.workqueue_body b ON %(with_header)s AND b.body_id = w.body_id
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.stage = %(stage)s;
@@ -985,3 +987,17 @@ SELECT q.stage, count(*) OVER () FROM pepsi.amqp_queue q ORDER BY q.stage LIMIT 
 -- past the page's start; in order, a page reads the stage's index from that id until
 -- the page is full.
 SET LOCAL enable_sort = off;
+
+-- name: workqueue_record_outcome_tx
+-- Issue 18: a transactional stage's outcome, in the transaction that holds the
+-- stage's writes: one row, guarded by the claim token as well as status and
+-- stage (see pepsi.workqueue_record_outcome); false: the row was handed to
+-- someone else meanwhile, and the worker rolls back.
+SELECT pepsi.workqueue_record_outcome(%(id)s, %(stage)s, %(token)s, %(outcome)s,
+                                      %(next_stage)s, %(until)s, NULL, %(state)s::jsonb);
+
+-- name: workqueue_claim_tokens
+-- Issue 18: the claim tokens of rows this worker just split (W-9), read in the
+-- split's transaction: the split updated them, so their xmin is the split's.
+SELECT workqueue_id, xmin::text FROM pepsi.workqueue
+WHERE workqueue_id = ANY(%(ids)s::bigint[]) AND status = 'running' AND stage = %(stage)s;

@@ -16,6 +16,9 @@ changes a message's outcome, only whether the hand-over touches the database:
   would hand its successor what a dispatched hop would not);
 - the successor has no per-address overrides (those are applied, and a
   split made, where the row is loaded: a dispatched hop);
+- the successor is not transactional (`@stage(transactional=True)`, issue
+  18: it runs in a transaction of its own, with its row's claim token); a
+  transactional stage does not fuse its successors either;
 - fewer than FUSION_DEPTH stages fused already (a misconfigured cycle).
 """
 
@@ -44,12 +47,14 @@ def may_fuse(
     refused: bool,
     changed: bool,
     overridden: bool,
+    transactional: bool = False,
 ) -> bool:
     """Whether this advance to `successor` runs it in the same pass (W-10)."""
     return (
         not refused
         and not changed
         and not overridden
+        and not transactional
         and depth < FUSION_DEPTH
         and fusable(successor)
         and _ORDER[needs] <= _ORDER[loaded]

@@ -86,6 +86,7 @@ class MessageLoader:
             sender_key=sender_key,
             _header=header,
             _body=body,
+            _token=row[-1],  # the claim token (xmin), last in both load queries
         )
         if self.needs is not Needs.BODY and body_id is not None:
             msg._loader = body_loader(conn, body_id, keep_header=self.needs is Needs.HEADER)

@@ -3,6 +3,12 @@
 A batch: load the rows in one SELECT, run the stage on each message, decide
 each row's update (`outcomes`, pure), write every update in one statement,
 and answer one status line per id, in order.
+
+A transactional stage (`@stage(transactional=True)`, issue 18) runs each
+message in a transaction of its own on the worker's connection: the stage's
+writes through `msg.db` and the row's outcome commit together. The outcome
+is guarded by the claim token (the row's xmin as loaded): a row handed to
+another worker meanwhile is left alone and the stage's writes roll back.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from pepsi.errors import (
     database_exit_code,
 )
 from pepsi.protocol import Pass, format_status
-from pepsi.stage import Message, Needs, needs_of
+from pepsi.stage import Message, Needs, is_transactional, needs_of
 from pepsi.telemetry import NO_SINK, TRACEPARENT, Sink
 from pepsi.worker.fusion import fusable, may_fuse
 from pepsi.worker.handlers import StageFunc, load_handler
@@ -49,6 +55,26 @@ class _DatabaseGone(Exception):
     def __init__(self, code: int) -> None:
         super().__init__(code)
         self.code = code
+
+
+class _Undo(Exception):  # not an error: leaves a stage's transaction
+    """Rolls a transactional stage's writes back: its row is no longer its own, or
+    its result is a failure (then the decision is recorded after the rollback)."""
+
+    def __init__(self, decision: Decision | None) -> None:
+        super().__init__()
+        self.decision = decision
+
+
+def outcome_word(decision: Decision) -> str:
+    """The `pepsi.workqueue_record_outcome` outcome that writes `decision`."""
+    if decision.stage is None:
+        return "finish"
+    if decision.status == "pending":
+        return "advance"
+    if decision.status == "paused":
+        return "pause"
+    return "fail"
 
 
 def utc_now() -> datetime:
@@ -94,6 +120,7 @@ class StageRunner:
         self.stages = config.stages  # where an Advance may go
         self.func = func
         self.needs = needs_of(func)
+        self.transactional = is_transactional(func)  # issue 18: one transaction per message
         self.messages = MessageLoader(stage, self.needs)
         self.conn = conn
         self.reconnect = reconnect
@@ -248,9 +275,28 @@ class StageRunner:
             if p.split
         ]
         if splits:
-            rows = self.conn.execute(
-                query("workqueue_split_many"), {"stage": self.stage.name, "splits": Jsonb(splits)}
-            ).fetchall()
+            # Issue 18: a transactional stage reads the split rows' new tokens in the split's
+            # transaction (the split updated them, so their xmin is the split's).
+            split_tx: contextlib.AbstractContextManager[Any] = (
+                self.conn.transaction() if self.transactional else contextlib.nullcontext()
+            )
+            with split_tx:
+                rows = self.conn.execute(
+                    query("workqueue_split_many"),
+                    {"stage": self.stage.name, "splits": Jsonb(splits)},
+                ).fetchall()
+                if self.transactional:
+                    split_ids = [wid for wid, p in plans.items() if p.split]
+                    tokens: dict[int, str] = {
+                        int(row[0]): str(row[1])
+                        for row in self.conn.execute(
+                            query("workqueue_claim_tokens"),
+                            {"ids": split_ids, "stage": self.stage.name},
+                        )
+                    }
+                    for wid in split_ids:
+                        if wid in loaded.messages:
+                            loaded.messages[wid]._token = tokens.get(wid)
             for wid, new_ids in rows:
                 if new_ids is None:  # no longer running here: nothing to do, as in `load`
                     del loaded.messages[wid]
@@ -274,9 +320,13 @@ class StageRunner:
         with self.sink.stage_pass(msg.id, self.stage.name, parent) as outcome:
             self._run_one(msg, batch)
             passes = batch.passes.get(msg.id)  # fused: this span is the first stage's
-            outcome(passes[0][2] if passes else batch.decisions[msg.id].outcome)
+            decision = batch.decisions.get(msg.id)  # none: the row was not ours (issue 18)
+            outcome(passes[0][2] if passes else decision.outcome if decision else "none")
 
     def _run_one(self, msg: Message, batch: Batch) -> None:
+        if self.transactional:
+            self._run_transactional(msg, batch)
+            return
         # An empty state (the common case) needs no copy to restore from.
         loaded_state = json.dumps(msg.state) if msg.state else "{}"
         if not self.fuse_into:
@@ -290,6 +340,63 @@ class StageRunner:
         if decision.error is not None:
             self._log_failure(msg, decision)
         batch.add(msg.id, decision)
+
+    def _run_transactional(self, msg: Message, batch: Batch) -> None:
+        """Issue 18: the stage and its outcome in one transaction; never fused.
+
+        Success: the stage's writes and the guarded outcome commit together.
+        A failure (an exception, or a result that is a host failure): the
+        writes roll back, then the failure's outcome is recorded, guarded
+        too. A row no longer this worker's (token, status or stage changed):
+        rolled back, nothing recorded, no decision (answered 0, as a row a
+        repair moved).
+        """
+        loaded_state = json.dumps(msg.state) if msg.state else "{}"
+        decision: Decision | None = None
+        try:
+            with self.conn.transaction():
+                msg._db = self.conn
+                try:
+                    result = self._call(msg)
+                finally:
+                    msg._db = None
+                decision = after_return(result, msg, loaded_state, self.stages, self.now)
+                if decision.error is not None:
+                    raise _Undo(decision)  # a host failure: its writes must not stay
+                if not self._record(msg, decision):
+                    raise _Undo(None)
+        except _Undo as undo:
+            decision = undo.decision
+        except Exception as exc:  # the stage's, its writes', the outcome's or the commit's
+            if self.conn.broken and database_exit_code(exc) is not None:
+                raise  # our own connection went: the batch answers 74/75
+            decision = after_raise(exc, msg, loaded_state, self.now)
+        else:  # committed: the stage's writes and the outcome
+            assert decision is not None
+            batch.decisions[msg.id] = decision
+            return
+        if decision is None or not self._record(msg, decision):
+            log.info("message %d is no longer this worker's: its writes rolled back", msg.id)
+            return
+        if decision.error is not None:
+            self._log_failure(msg, decision)
+        batch.decisions[msg.id] = decision
+
+    def _record(self, msg: Message, decision: Decision) -> bool:
+        """Write one row's outcome, guarded by its claim token; whether it was written."""
+        row = self.conn.execute(
+            query("workqueue_record_outcome_tx"),
+            {
+                "id": msg.id,
+                "stage": self.stage.name,
+                "token": msg._token,
+                "outcome": outcome_word(decision),
+                "next_stage": decision.stage,
+                "until": decision.timeout,
+                "state": None if decision.state is None else Jsonb(decision.state),
+            },
+        ).fetchone()
+        return bool(row and row[0])
 
     def _decide(self, msg: Message, loaded_state: str, func: StageFunc | None = None) -> Decision:
         try:
@@ -329,6 +436,7 @@ class StageRunner:
                 refused=not decision.fuse,
                 changed=_metadata(msg) != before,
                 overridden=successor.name in self.overridden,
+                transactional=is_transactional(handler[0]),
             ):
                 break
             msg.stage, msg.options = successor.name, successor
