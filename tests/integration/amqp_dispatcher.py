@@ -11,8 +11,18 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import pika
+import pika.exceptions
+import psycopg
+from pika.adapters.blocking_connection import BlockingChannel
+
+from pepsi.amqp.expiry import Expiry
 from pepsi.config.parse import parse_config, parse_ini
 from pepsi.dispatch.coordinator import Dispatcher
+from tests.integration.amqp_harness import PASSWORD
+from tests.scenarios.conftest import wait_until
+
+Conn = psycopg.Connection[Any]
 
 BASE = "[pepsi-amqp]\nLISTEN = 127.0.0.1:0\nHEARTBEAT = 0\n[pepsi-dispatch]\nPOLL_INTERVAL = 1s\n"
 
@@ -75,3 +85,52 @@ class DispatcherThread:
         self.thread.join(timeout=10)
         self.loop.close()
         return code
+
+
+# -- what the consuming tests share: a dispatcher with user alice, pika clients ------------
+
+
+def connect(server: DispatcherThread, user: str = "alice") -> pika.BlockingConnection:
+    """A pika connection to `server` (the test closes it)."""
+    return pika.BlockingConnection(
+        pika.ConnectionParameters(
+            "127.0.0.1", server.port, credentials=pika.PlainCredentials(user, PASSWORD)
+        )
+    )
+
+
+def rows(conn: Conn, queue: str) -> dict[str, int]:
+    """The queue's rows (vhost /) by status."""
+    found = conn.execute(
+        "SELECT status::text, count(*) FROM pepsi.workqueue WHERE stage = %s GROUP BY 1",
+        (f"amqp:/:{queue}",),
+    ).fetchall()
+    return {status: int(n) for status, n in found}
+
+
+def expiry(server: DispatcherThread) -> Expiry:
+    broker = server.dispatcher.amqp_broker
+    assert broker is not None
+    return broker.expiry
+
+
+def passes(server: DispatcherThread) -> int:
+    return int(server.run(lambda: expiry(server).passes))
+
+
+def await_passes(server: DispatcherThread, n: int = 2) -> None:
+    """`n` more expiry passes done: the last one began after this call."""
+    start = passes(server)
+    wait_until(lambda: passes(server) >= start + n, what=f"{n} expiry passes")
+
+
+def open_channel(connection: pika.BlockingConnection) -> BlockingChannel:
+    """A channel in confirm mode: each publish returns once it is stored."""
+    opened = connection.channel()
+    opened.confirm_delivery()
+    return opened
+
+
+def text(value: object) -> str:
+    """A decoded header value (pika gives bytes for some strings)."""
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -5,7 +5,6 @@ checked where they land, in pepsi.workqueue."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,7 +21,10 @@ from pepsi.admin import amqp_users
 from pepsi.amqp.publisher import Batcher, Item, Unit
 from pepsi.db.backoff import Backoff
 from pepsi.publishing.message import Row
-from tests.integration.amqp_dispatcher import DispatcherThread
+from tests.integration.amqp_dispatcher import (
+    DispatcherThread,
+    rows,
+)
 from tests.integration.amqp_harness import PASSWORD, assert_no_server_bugs
 from tests.scenarios.conftest import wait_until
 
@@ -34,48 +36,6 @@ Message = tuple[Any, BasicProperties, bytes]
 def no_server_bugs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     yield
     assert_no_server_bugs(caplog, tracebacks_only=True)
-
-
-@pytest.fixture
-def broker(dsn: str, conn: Conn) -> Iterator[DispatcherThread]:
-    amqp_users.add_user(conn, "alice", PASSWORD)
-    amqp_users.set_permissions(conn, "alice", ".*", ".*", ".*")
-    server = DispatcherThread(dsn)
-    yield server
-    assert server.stop() == 0
-
-
-@pytest.fixture
-def amqp(broker: DispatcherThread) -> Iterator[Callable[[], pika.BlockingConnection]]:
-    opened: list[pika.BlockingConnection] = []
-
-    def connect() -> pika.BlockingConnection:
-        connection = pika.BlockingConnection(
-            pika.ConnectionParameters(
-                "127.0.0.1", broker.port, credentials=pika.PlainCredentials("alice", PASSWORD)
-            )
-        )
-        opened.append(connection)
-        return connection
-
-    yield connect
-    for connection in opened:
-        if connection.is_open:
-            with contextlib.suppress(pika.exceptions.AMQPError):  # one a test broke
-                connection.close()
-        transport = getattr(connection._impl, "_transport", None)
-        sock = getattr(transport, "_sock", None)
-        if sock is not None:  # broken under pika (a test shut it down): close it here
-            sock.close()
-
-
-def rows(conn: Conn, queue: str) -> dict[str, int]:
-    """The queue's rows by status."""
-    found = conn.execute(
-        "SELECT status::text, count(*) FROM pepsi.workqueue WHERE stage = %s GROUP BY 1",
-        (f"amqp:/:{queue}",),
-    ).fetchall()
-    return {status: int(n) for status, n in found}
 
 
 def publish(channel: BlockingChannel, queue: str, bodies: list[bytes], **props: Any) -> None:

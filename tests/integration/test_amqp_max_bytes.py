@@ -6,7 +6,6 @@ dispatcher in this process; outcomes are checked where they land, in pepsi.workq
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,10 +15,15 @@ import psycopg
 import pytest
 from pika.adapters.blocking_connection import BlockingChannel
 
-from pepsi.admin import amqp_users
-from pepsi.amqp.expiry import Expiry
-from tests.integration.amqp_dispatcher import DispatcherThread
-from tests.integration.amqp_harness import PASSWORD, assert_no_server_bugs
+from tests.integration.amqp_dispatcher import (
+    DispatcherThread,
+    await_passes,
+    expiry,
+    open_channel,
+    rows,
+    text,
+)
+from tests.integration.amqp_harness import assert_no_server_bugs
 from tests.scenarios.conftest import wait_until
 
 Conn = psycopg.Connection[Any]
@@ -31,75 +35,6 @@ BODIES = [bytes([ord("a") + i]) * 400 for i in range(5)]  # 2000 octets, oldest 
 def no_server_bugs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     yield
     assert_no_server_bugs(caplog, tracebacks_only=True)
-
-
-@pytest.fixture
-def users(conn: Conn) -> Conn:
-    amqp_users.add_user(conn, "alice", PASSWORD)
-    amqp_users.set_permissions(conn, "alice", ".*", ".*", ".*")
-    return conn
-
-
-@pytest.fixture
-def broker(dsn: str, users: Conn) -> Iterator[DispatcherThread]:
-    server = DispatcherThread(dsn)
-    yield server
-    assert server.stop() == 0
-
-
-@pytest.fixture
-def amqp(broker: DispatcherThread) -> Iterator[Callable[[], pika.BlockingConnection]]:
-    opened: list[pika.BlockingConnection] = []
-
-    def open_one() -> pika.BlockingConnection:
-        connection = pika.BlockingConnection(
-            pika.ConnectionParameters(
-                "127.0.0.1", broker.port, credentials=pika.PlainCredentials("alice", PASSWORD)
-            )
-        )
-        opened.append(connection)
-        return connection
-
-    yield open_one
-    for connection in opened:
-        if connection.is_open:
-            with contextlib.suppress(pika.exceptions.AMQPError):
-                connection.close()
-
-
-def expiry(server: DispatcherThread) -> Expiry:
-    broker = server.dispatcher.amqp_broker
-    assert broker is not None
-    return broker.expiry
-
-
-def passes(server: DispatcherThread) -> int:
-    return int(server.run(lambda: expiry(server).passes))
-
-
-def await_passes(server: DispatcherThread, n: int = 2) -> None:
-    """`n` more passes done: the last one began after this call."""
-    start = passes(server)
-    wait_until(lambda: passes(server) >= start + n, what=f"{n} expiry passes")
-
-
-def rows(conn: Conn, queue: str) -> dict[str, int]:
-    found = conn.execute(
-        "SELECT status::text, count(*) FROM pepsi.workqueue WHERE stage = %s GROUP BY 1",
-        (f"amqp:/:{queue}",),
-    ).fetchall()
-    return {status: int(n) for status, n in found}
-
-
-def open_channel(connection: pika.BlockingConnection) -> BlockingChannel:
-    """A channel in confirm mode: each publish returns once it is stored (or nacked)."""
-    opened = connection.channel()
-    opened.confirm_delivery()
-    return opened
-
-
-def text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def drain(channel: BlockingChannel, queue: str) -> list[bytes]:
