@@ -222,3 +222,20 @@ def test_bytes_that_are_not_utf8_reaching_the_database_are_one_line(
     assert code in (1, 2, 65, 67), err
     assert err.count("\n") == 1, err
     assert "\\udcff" in err or "UTF-8" in err or "utf-8" in err, err
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (("web", "--listen", "0.0.0.0:0"), "--listen: a console listening on 0.0.0.0 needs a"),
+        (("web", "--listen", "nowhere"), "--listen: expected HOST:PORT"),
+        (("web", "password"), "no terminal to ask for the password on"),
+    ],
+)
+def test_web_console_mistakes_are_one_line(
+    dsn: str, workdir: Path, args: tuple[str, ...], problem: str
+) -> None:
+    done = pepsi(dsn, *args)
+    assert done.returncode == 2
+    assert problem in done.stderr
+    assert "Traceback" not in done.stderr

@@ -69,6 +69,10 @@ def run_web(args: argparse.Namespace, ctx: Context) -> int:
         raise UsageError(f"--listen: {exc}") from None
     if address is None:
         raise UsageError("--listen: the console needs an address")
+    try:
+        server.check_exposure(config, address[0])
+    except ConfigError as exc:
+        raise UsageError(f"--listen: {exc.problem}") from None
     open_current(config, application_name="pepsi-web").close()  # reachable, this schema
     dsn = connect.resolve(config).dsn
 
