@@ -1,9 +1,11 @@
-"""Fixtures of the integration tests: the AMQP consuming tests' dispatcher and clients."""
+"""Fixtures of the integration tests: stage runners on worker connections; the AMQP
+consuming tests' dispatcher and clients."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from typing import Any
 
 import pika
@@ -12,8 +14,13 @@ import psycopg
 import pytest
 
 from pepsi.admin import amqp_users
+from pepsi.config import Config
+from pepsi.worker.handlers import StageFunc
+from pepsi.worker.runner import StageRunner
+from pepsi.worker.runtime import connect_worker
 from tests.integration.amqp_dispatcher import DispatcherThread, connect
 from tests.integration.amqp_harness import PASSWORD
+from tests.rows import NOW
 
 Conn = psycopg.Connection[Any]
 
@@ -53,3 +60,33 @@ def amqp(broker: DispatcherThread) -> Iterator[Callable[[], pika.BlockingConnect
         sock = getattr(transport, "_sock", None)
         if sock is not None:  # broken under pika (a test shut it down): close it here
             sock.close()
+
+
+@pytest.fixture
+def make_runner(dsn: str, config: Config) -> Iterator[Callable[..., StageRunner]]:
+    """Runners on worker connections (as `pepsi worker` opens them), closed at the end;
+    `config` is the test module's."""
+    runners: list[StageRunner] = []
+
+    def make(
+        func: StageFunc, stage_name: str = "a", *, at: datetime = NOW, worker_dsn: str = dsn
+    ) -> StageRunner:
+        def open_connection() -> Conn:
+            return connect_worker(worker_dsn, stage_name, synchronous_commit=False)
+
+        runner = StageRunner(
+            config,
+            config.stages[stage_name],
+            func,
+            open_connection(),
+            reconnect=open_connection,
+            now=lambda: at,
+        )
+        runners.append(runner)
+        return runner
+
+    yield make
+    for runner in runners:
+        runner.conn.close()
+        if runner.loop is not None:
+            runner.loop.close()

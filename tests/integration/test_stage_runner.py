@@ -22,7 +22,6 @@ from psycopg import conninfo, sql
 from pepsi.config import Config, load_config
 from pepsi.protocol import Pass, StatusLine, parse_status
 from pepsi.stage import Message, PermanentError, stage
-from pepsi.worker.handlers import StageFunc
 from pepsi.worker.runner import StageRunner, ended_by_server
 from pepsi.worker.runtime import connect_worker
 from tests.rows import NOW, running
@@ -55,35 +54,6 @@ def config(tmp_path: Path) -> Config:
     path = tmp_path / "pepsi.conf"
     path.write_text(CONF)
     return load_config(path)
-
-
-@pytest.fixture
-def make_runner(dsn: str, config: Config) -> Iterator[Callable[..., StageRunner]]:
-    """Runners on worker connections (as `pepsi worker` opens them), closed at the end."""
-    runners: list[StageRunner] = []
-
-    def make(
-        func: StageFunc, stage_name: str = "a", *, at: datetime = NOW, worker_dsn: str = dsn
-    ) -> StageRunner:
-        def open_connection() -> Conn:
-            return connect_worker(worker_dsn, stage_name, synchronous_commit=False)
-
-        runner = StageRunner(
-            config,
-            config.stages[stage_name],
-            func,
-            open_connection(),
-            reconnect=open_connection,
-            now=lambda: at,
-        )
-        runners.append(runner)
-        return runner
-
-    yield make
-    for runner in runners:
-        runner.conn.close()
-        if runner.loop is not None:
-            runner.loop.close()
 
 
 def row_of(conn: Conn, wid: int) -> tuple[str, str, dict[str, Any], datetime | None] | None:

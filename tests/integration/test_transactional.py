@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,10 +23,8 @@ from pepsi.config import Config, load_config
 from pepsi.errors import PepsiError
 from pepsi.protocol import Pass, parse_status
 from pepsi.stage import Message, PermanentError, stage
-from pepsi.worker.handlers import StageFunc
 from pepsi.worker.runner import StageRunner
-from pepsi.worker.runtime import connect_worker
-from tests.rows import NOW, running
+from tests.rows import running
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 UNTIL = datetime(2030, 1, 1, tzinfo=UTC)
@@ -62,32 +60,6 @@ def app(conn: Conn) -> Conn:
     """The application's table, in the same database as the queue."""
     conn.execute("CREATE TABLE effects (workqueue_id bigint, note text)")
     return conn
-
-
-@pytest.fixture
-def make_runner(dsn: str, config: Config) -> Iterator[Callable[..., StageRunner]]:
-    runners: list[StageRunner] = []
-
-    def make(func: StageFunc, stage_name: str = "a", *, at: datetime = NOW) -> StageRunner:
-        def open_connection() -> Conn:
-            return connect_worker(dsn, stage_name, synchronous_commit=False)
-
-        runner = StageRunner(
-            config,
-            config.stages[stage_name],
-            func,
-            open_connection(),
-            reconnect=open_connection,
-            now=lambda: at,
-        )
-        runners.append(runner)
-        return runner
-
-    yield make
-    for runner in runners:
-        runner.conn.close()
-        if runner.loop is not None:
-            runner.loop.close()
 
 
 def row_of(conn: Conn, wid: int) -> tuple[str, str, dict[str, Any]] | None:

@@ -550,7 +550,7 @@ class Deliverer:
             if name == "settle":
                 # An outcome lost with a crash is a redelivery, which at-least-once
                 # allows (the client's ack is never waited for): no fsync per commit.
-                await conn.execute("SET synchronous_commit = off")
+                await conn.execute(query("amqp_outcomes_async_commit"))
             setattr(self, attr, conn)
         return conn
 

@@ -1001,3 +1001,8 @@ SELECT pepsi.workqueue_record_outcome(%(id)s, %(stage)s, %(token)s, %(outcome)s,
 -- split's transaction: the split updated them, so their xmin is the split's.
 SELECT workqueue_id, xmin::text FROM pepsi.workqueue
 WHERE workqueue_id = ANY(%(ids)s::bigint[]) AND status = 'running' AND stage = %(stage)s;
+
+-- name: amqp_outcomes_async_commit
+-- The consumers' outcomes connection: an ack lost with a crash is a redelivery, which
+-- at-least-once allows (no client waits on it), so no commit waits for the disk.
+SET synchronous_commit = off;
