@@ -63,6 +63,35 @@ def test_sender_key(conn: Conn, columns: dict[str, object], expected: str) -> No
     assert sender_key(conn, **columns) == expected
 
 
+def test_sender_key_follows_its_inputs_and_cannot_be_set(conn: Conn) -> None:
+    """A trigger fills the column from the row (a stored generated column made every
+    UPDATE of a row recompute it), so a value written by hand never sticks."""
+    row_id = insert(conn, sender="a@One.example", sender_key="user:forged")
+
+    def key() -> str:
+        row = conn.execute(
+            "SELECT sender_key FROM pepsi.workqueue WHERE workqueue_id = %s", (row_id,)
+        ).fetchone()
+        assert row is not None
+        return str(row[0])
+
+    assert key() == "from:one.example"
+    conn.execute("UPDATE pepsi.workqueue SET status = 'running' WHERE workqueue_id = %s", (row_id,))
+    assert key() == "from:one.example"
+    conn.execute(
+        "UPDATE pepsi.workqueue SET sender = '', recipients = '{b@Two.example}'"
+        " WHERE workqueue_id = %s",
+        (row_id,),
+    )
+    assert key() == "null:two.example"
+    conn.execute(
+        "UPDATE pepsi.workqueue SET origin_peer = '192.0.2.9' WHERE workqueue_id = %s", (row_id,)
+    )
+    assert key() == "ip:192.0.2.9"
+    conn.execute("UPDATE pepsi.workqueue SET sender_key = 'x' WHERE workqueue_id = %s", (row_id,))
+    assert key() == "ip:192.0.2.9"
+
+
 def new_body(conn: Conn, body: bytes = b"hello") -> int:
     row = conn.execute(
         "INSERT INTO pepsi.workqueue_body (header, body) VALUES (%s, %s) RETURNING body_id",
@@ -87,6 +116,22 @@ def test_body_goes_with_its_last_row(conn: Conn) -> None:
     assert body_exists(conn, body)  # still shared by the split row
     conn.execute("DELETE FROM pepsi.workqueue WHERE workqueue_id = %s", (second,))
     assert not body_exists(conn, body)
+
+
+def test_one_delete_of_many_rows_releases_only_the_bodies_left_unreferenced(conn: Conn) -> None:
+    shared, alone, kept = new_body(conn), new_body(conn), new_body(conn)
+    rows = [insert(conn, shared), insert(conn, shared), insert(conn, alone), insert(conn, kept)]
+    survivor = insert(conn, kept)
+    insert(conn)  # a row without a body
+    gone = conn.execute(
+        "DELETE FROM pepsi.workqueue WHERE workqueue_id = ANY(%s) OR body_id IS NULL", (rows,)
+    ).rowcount
+    assert gone == 5
+    assert not body_exists(conn, shared)
+    assert not body_exists(conn, alone)
+    assert body_exists(conn, kept)  # the survivor still references it
+    conn.execute("DELETE FROM pepsi.workqueue WHERE workqueue_id = %s", (survivor,))
+    assert not body_exists(conn, kept)
 
 
 def test_replaced_body_is_released(conn: Conn) -> None:
