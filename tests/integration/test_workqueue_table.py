@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -201,3 +202,99 @@ def test_gc_sweeps_orphans_with_a_cursor(conn: Conn) -> None:
     assert not any(body_exists(conn, b) for b in orphans)
     row = conn.execute("SELECT deleted FROM pepsi.workqueue_body_gc()").fetchone()
     assert row == (0,)
+
+
+# ---- plans under stale statistics ----------------------------------------------------------
+
+
+def _work_of(plans: list[dict[str, object]]) -> int:
+    """Rows every node of these plans produced or threw away (a deterministic measure of
+    the work done: a join walking a whole index per row shows as millions)."""
+    total = 0
+
+    def walk(node: dict[str, object]) -> None:
+        nonlocal total
+        loops = int(str(node.get("Actual Loops", 1)))
+        total += int(float(str(node.get("Actual Rows", 0))) * loops)
+        for key in ("Rows Removed by Filter", "Rows Removed by Join Filter"):
+            total += int(float(str(node.get(key, 0))))
+        for child in node.get("Plans", []) or []:  # type: ignore[attr-defined]
+            walk(child)
+
+    for plan in plans:
+        walk(plan["Plan"])  # type: ignore[arg-type]
+    return total
+
+
+def _nested_plans(conn: Conn, statement: str, *, containing: str) -> list[dict[str, object]]:
+    """The plans auto_explain logs for the statements run by `statement` (triggers and
+    functions included) whose text contains `containing`."""
+    logged: list[str] = []
+    conn.add_notice_handler(lambda notice: logged.append(notice.message_primary or ""))
+    conn.execute("LOAD 'auto_explain'")
+    for setting in (
+        "auto_explain.log_min_duration = 0",
+        "auto_explain.log_analyze = on",
+        "auto_explain.log_nested_statements = on",
+        "auto_explain.log_format = json",
+        "client_min_messages = log",
+    ):
+        conn.execute(f"SET {setting}")
+    conn.execute(statement)
+    conn.execute("SET client_min_messages = notice")
+    plans = []
+    for message in logged:
+        start = message.find("{")
+        if start < 0:
+            continue
+        document = json.loads(message[start:])
+        if containing in str(document.get("Query Text", "")):
+            plans.append(document)
+    return plans
+
+
+@pytest.fixture
+def stale(conn: Conn) -> Conn:
+    """50 000 rows, each with its body, in tables last analyzed when they held 20: the
+    statistics a burst finds after a quiet period."""
+    for table in ("pepsi.workqueue", "pepsi.workqueue_body"):
+        conn.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = false)")
+
+    def publish(count: int) -> None:
+        conn.execute(
+            "SELECT count(*) FROM pepsi.workqueue_publish_plain("
+            "array_fill('s'::text, ARRAY[%(n)s]), array_fill('\\x00'::bytea, ARRAY[%(n)s]),"
+            " array_fill('\\x78'::bytea, ARRAY[%(n)s]))",
+            {"n": count},
+        )
+
+    publish(20)
+    conn.execute("ANALYZE pepsi.workqueue")
+    conn.execute("ANALYZE pepsi.workqueue_body")
+    publish(50_000)
+    return conn
+
+
+def test_a_delete_releases_bodies_with_work_in_proportion_to_its_rows(stale: Conn) -> None:
+    """The release trigger's plans stay index probes under stale statistics (they once
+    walked a whole index per deleted row: 14 s for one batch of acknowledgements)."""
+    plans = _nested_plans(
+        stale,
+        "DELETE FROM pepsi.workqueue WHERE workqueue_id IN"
+        " (SELECT workqueue_id FROM pepsi.workqueue ORDER BY workqueue_id LIMIT 1000)",
+        containing="pepsi.workqueue_body b",
+    )
+    assert len(plans) == 2  # the lock and the delete
+    assert _work_of(plans) < 10 * 1000  # 3 000 here; 111 000 with a join
+    left = stale.execute("SELECT count(*) FROM pepsi.workqueue_body").fetchone()
+    assert left == (50_020 - 1000,)
+
+
+def test_the_body_sweep_examines_in_proportion_to_its_batch(stale: Conn) -> None:
+    plans = _nested_plans(
+        stale,
+        "SELECT * FROM pepsi.workqueue_body_gc(0, 10000)",
+        containing="WITH examined AS",
+    )
+    assert len(plans) == 1
+    assert _work_of(plans) < 10 * 10_000  # 80 000 here; 240 000 with a join
