@@ -32,15 +32,19 @@ SELECT deleted, last_examined FROM pepsi.workqueue_body_gc(%(after_id)s, %(max_e
 
 -- name: workqueue_load_running
 -- A worker loads the rows it was handed; only rows still running at its
--- stage (a repair command may have moved one meanwhile).
+-- stage (a repair command may have moved one meanwhile). Header and body come
+-- from scalar subqueries, one primary-key probe each, never a join: with
+-- statistics from a moment the tables were empty, a generic plan joined them
+-- by walking the whole body index once per row.
 SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
        w.origin_user, host(w.origin_peer), w.header_from, w.subject, w.content_type,
        w.correlation_id, w.properties, w.state, w.sender_key, w.body_id,
-       CASE WHEN %(with_header)s THEN b.header END AS header,
-       CASE WHEN %(with_body)s THEN b.body END AS body,
+       CASE WHEN %(with_header)s THEN
+           (SELECT b.header FROM pepsi.workqueue_body b WHERE b.body_id = w.body_id) END AS header,
+       CASE WHEN %(with_body)s THEN
+           (SELECT b.body FROM pepsi.workqueue_body b WHERE b.body_id = w.body_id) END AS body,
        w.xmin::text AS token  -- the claim token (issue 18): last, as in the next query
 FROM pepsi.workqueue w
-LEFT JOIN pepsi.workqueue_body b ON %(with_header)s AND b.body_id = w.body_id
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.stage = %(stage)s;
 
 -- name: workqueue_load_running_with_settings
@@ -52,8 +56,10 @@ WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.sta
 SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
        w.origin_user, host(w.origin_peer), w.header_from, w.subject, w.content_type,
        w.correlation_id, w.properties, w.state, w.sender_key, w.body_id,
-       CASE WHEN %(with_header)s THEN b.header END AS header,
-       CASE WHEN %(with_body)s THEN b.body END AS body,
+       CASE WHEN %(with_header)s THEN
+           (SELECT b.header FROM pepsi.workqueue_body b WHERE b.body_id = w.body_id) END AS header,
+       CASE WHEN %(with_body)s THEN
+           (SELECT b.body FROM pepsi.workqueue_body b WHERE b.body_id = w.body_id) END AS body,
        (SELECT jsonb_object_agg(s.address, s.options)
         FROM pepsi.settings s
         WHERE s.stage = %(stage)s
@@ -64,7 +70,6 @@ SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
        EXISTS (SELECT 1 FROM pepsi.settings s WHERE s.stage = %(stage)s) AS any_override,
        w.xmin::text AS token
 FROM pepsi.workqueue w
-LEFT JOIN pepsi.workqueue_body b ON %(with_header)s AND b.body_id = w.body_id
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.stage = %(stage)s;
 
 -- name: settings_exist_for_stage
@@ -676,17 +681,17 @@ SELECT (SELECT count(*) FROM q), (SELECT count(*) FROM gone);
 -- What basic.deliver sends for rows the claim gave to AMQP consumers: only rows
 -- still running (a purge or queue.delete may have taken one meanwhile).
 -- Scalars rather than the jsonb documents: nothing to parse per message in the common
--- case (no x-death).
+-- case (no x-death). Header and body by scalar subqueries, as in workqueue_load_running.
 SELECT w.workqueue_id, w.properties ->> 'exchange', w.properties ->> 'routing_key',
        (w.state ->> 'delivery_count')::bigint, (w.state ->> 'redelivered')::boolean,
        w.state -> 'x_death', w.state -> 'x_first_death', extract(epoch FROM w.expires)::float8,
-       b.header, b.body,
+       (SELECT b.header FROM pepsi.workqueue_body b WHERE b.body_id = w.body_id),
+       (SELECT b.body FROM pepsi.workqueue_body b WHERE b.body_id = w.body_id),
        -- a row that came from a stage of the pipeline, not over AMQP: its properties are built
        CASE WHEN NOT w.properties ? 'exchange' THEN
            jsonb_build_array(w.message_id, w.content_type, w.correlation_id, w.properties)
        END
 FROM pepsi.workqueue w
-LEFT JOIN pepsi.workqueue_body b ON b.body_id = w.body_id
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running';
 
 -- name: amqp_get
@@ -707,13 +712,15 @@ WITH next AS (
 SELECT got.workqueue_id, got.properties ->> 'exchange', got.properties ->> 'routing_key',
        (got.state ->> 'delivery_count')::bigint, (got.state ->> 'redelivered')::boolean,
        got.state -> 'x_death', got.state -> 'x_first_death',
-       extract(epoch FROM got.expires)::float8, b.header, b.body,
+       extract(epoch FROM got.expires)::float8,
+       (SELECT b.header FROM pepsi.workqueue_body b WHERE b.body_id = got.body_id),
+       (SELECT b.body FROM pepsi.workqueue_body b WHERE b.body_id = got.body_id),
        CASE WHEN NOT got.properties ? 'exchange' THEN
            jsonb_build_array(got.message_id, got.content_type, got.correlation_id, got.properties)
        END,
        (SELECT count(*) FROM pepsi.workqueue
         WHERE stage = %(stage)s AND status = 'pending') - 1 AS ready
-FROM got LEFT JOIN pepsi.workqueue_body b ON b.body_id = got.body_id;
+FROM got;
 
 -- name: amqp_settle
 -- Consumers' outcomes, many per commit: acked rows are deleted; returned ones
@@ -789,8 +796,9 @@ SELECT (SELECT count(*) FROM copies), (SELECT count(*) FROM moved),
 
 -- name: amqp_dead_letter_load
 -- The rows about to be dead-lettered, locked until amqp_dead_letter has moved them.
-SELECT w.workqueue_id, w.stage, w.properties, w.state, b.header
-FROM pepsi.workqueue w LEFT JOIN pepsi.workqueue_body b ON b.body_id = w.body_id
+SELECT w.workqueue_id, w.stage, w.properties, w.state,
+       (SELECT b.header FROM pepsi.workqueue_body b WHERE b.body_id = w.body_id)
+FROM pepsi.workqueue w
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running'
 FOR UPDATE OF w;
 
@@ -849,9 +857,10 @@ WITH newest AS (
     LIMIT %(max_scan)s
 ), summed AS (
     SELECT n.workqueue_id,
-           sum(coalesce(octet_length(b.body), 0))
+           sum(coalesce((SELECT octet_length(b.body) FROM pepsi.workqueue_body b
+                         WHERE b.body_id = n.body_id), 0))
                OVER (ORDER BY n.workqueue_id DESC ROWS UNBOUNDED PRECEDING) AS total
-    FROM newest n LEFT JOIN pepsi.workqueue_body b ON b.body_id = n.body_id
+    FROM newest n
 ), cut AS (
     SELECT max(workqueue_id) AS last FROM summed WHERE total > %(max_bytes)s
 ), due AS (
