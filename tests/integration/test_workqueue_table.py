@@ -312,6 +312,29 @@ def test_the_body_sweep_examines_in_proportion_to_its_batch(stale: Conn) -> None
     assert _work_of(plans) < 10 * 10_000  # 80 000 here; 240 000 with a join
 
 
+def _prepared_plans(
+    conn: Conn, name: str, params: dict[str, object], rows: int | None = None
+) -> list[dict[str, object]]:
+    """Run the named query prepared (as psycopg does after a few runs) and return the
+    plans auto_explain logged for it; `rows`: how many it must return."""
+    marker = query_text(name).splitlines()[0][:40]  # the statement's first line
+    logged: list[str] = []
+    conn.add_notice_handler(lambda notice: logged.append(notice.message_primary or ""))
+    conn.execute("LOAD 'auto_explain'")
+    for setting in (
+        "auto_explain.log_min_duration = 0",
+        "auto_explain.log_analyze = on",
+        "auto_explain.log_format = json",
+        "client_min_messages = log",
+    ):
+        conn.execute(f"SET {setting}")
+    cur = conn.execute(query(name), params, prepare=True)
+    if rows is not None:
+        assert len(cur.fetchall()) == rows
+    conn.execute("SET client_min_messages = notice")
+    return [json.loads(m[m.index("{") :]) for m in logged if "{" in m and marker in m]
+
+
 @pytest.mark.parametrize("name", ["workqueue_load_running", "amqp_delivery_load"])
 def test_loading_bodies_probes_each_once_under_stale_statistics(stale: Conn, name: str) -> None:
     """A worker's load and the AMQP deliverer's, as generic plans (psycopg prepares a
@@ -323,20 +346,26 @@ def test_loading_bodies_probes_each_once_under_stale_statistics(stale: Conn, nam
     )
     stale.execute("SET plan_cache_mode = force_generic_plan")
     params = {"ids": ids, "stage": "s", "with_header": True, "with_body": True}
-    marker = query_text(name).splitlines()[0][:40]  # the statement's first line
-    logged: list[str] = []
-    stale.add_notice_handler(lambda notice: logged.append(notice.message_primary or ""))
-    for setting in (
-        "auto_explain.log_min_duration = 0",
-        "auto_explain.log_analyze = on",
-        "auto_explain.log_format = json",
-        "client_min_messages = log",
-    ):
-        stale.execute("LOAD 'auto_explain'")
-        stale.execute(f"SET {setting}")
-    rows = stale.execute(query(name), params, prepare=True).fetchall()
-    stale.execute("SET client_min_messages = notice")
-    assert len(rows) == 1000
-    plans = [json.loads(m[m.index("{") :]) for m in logged if "{" in m and marker in m]
+    plans = _prepared_plans(stale, name, params, rows=1000)
     assert len(plans) == 1
     assert _work_of(plans) < 10 * 1000
+
+
+def test_recording_outcomes_probes_each_row_under_stale_statistics(stale: Conn) -> None:
+    """A worker's outcomes (half finished, half advanced), as a generic plan: joined to
+    the JSON recordset alone, the table side was a scan of every row per batch."""
+    ids = [int(i) for i in _first_ids(stale).split(",")]
+    stale.execute(
+        "UPDATE pepsi.workqueue SET status = 'running' WHERE workqueue_id = ANY(%s)", (ids,)
+    )
+    stale.execute("SET plan_cache_mode = force_generic_plan")
+    updates = [
+        {"workqueue_id": i, "stage": "t", "status": "pending", "timeout": None, "state": {}}
+        for i in ids[500:]
+    ]
+    params = {"finished": ids[:500], "stage": "s", "updates": json.dumps(updates)}
+    plans = _prepared_plans(stale, "workqueue_record_outcomes", params)
+    assert len(plans) == 1
+    assert _work_of(plans) < 10 * 1000
+    moved = stale.execute("SELECT count(*) FROM pepsi.workqueue WHERE stage = 't'").fetchone()
+    assert moved == (500,)

@@ -140,7 +140,10 @@ FROM pepsi.workqueue_body WHERE body_id = %(body_id)s;
 -- Every outcome of a batch in one round trip (W-2, W-8): finished rows are
 -- deleted, the others updated from a JSON array (advance = pending at the
 -- next stage, pause = paused with a timeout, fail = failed). The guard on
--- status and stage makes a late write from a killed worker a no-op.
+-- status and stage makes a late write from a killed worker a no-op. The rows to
+-- update are also named as an array of ids, so the table side is always primary-key
+-- probes: joined to the recordset alone, statistics from a drained table made it a
+-- scan of the whole table per batch.
 WITH finished AS (
     DELETE FROM pepsi.workqueue w
     WHERE w.workqueue_id = ANY(%(finished)s::bigint[])
@@ -152,7 +155,9 @@ SET stage = r.stage, status = r.status, timeout = r.timeout, state = r.state
 FROM jsonb_to_recordset(%(updates)s::jsonb)
      AS r(workqueue_id bigint, stage text, status pepsi.workqueue_status,
           timeout timestamptz, state jsonb)
-WHERE w.workqueue_id = r.workqueue_id AND w.status = 'running' AND w.stage = %(stage)s;
+WHERE w.workqueue_id = ANY(ARRAY(SELECT (e ->> 'workqueue_id')::bigint
+                                 FROM jsonb_array_elements(%(updates)s::jsonb) e))
+  AND w.workqueue_id = r.workqueue_id AND w.status = 'running' AND w.stage = %(stage)s;
 
 -- name: workqueue_claim_fifo
 -- P-4: one statement claims, for every stage with free capacity, up to that
