@@ -8,6 +8,7 @@ import time
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from pepsi.db.queries import query, query_text
 
@@ -226,9 +227,17 @@ def _work_of(plans: list[dict[str, object]]) -> int:
     return total
 
 
-def _nested_plans(conn: Conn, statement: str, *, containing: str) -> list[dict[str, object]]:
-    """The plans auto_explain logs for the statements run by `statement` (triggers and
-    functions included) whose text contains `containing`."""
+def _nested_plans(
+    conn: Conn,
+    statement: str | sql.SQL,
+    params: dict[str, object] | None = None,
+    *,
+    containing: str,
+    rows: int | None = None,
+) -> list[dict[str, object]]:
+    """The plans auto_explain logs for the statements `statement` runs (itself, its
+    triggers and functions) whose text contains `containing`. With `params` it runs
+    prepared, as psycopg does after a few runs; `rows`: how many it must return."""
     logged: list[str] = []
     conn.add_notice_handler(lambda notice: logged.append(notice.message_primary or ""))
     conn.execute("LOAD 'auto_explain'")
@@ -240,7 +249,9 @@ def _nested_plans(conn: Conn, statement: str, *, containing: str) -> list[dict[s
         "client_min_messages = log",
     ):
         conn.execute(f"SET {setting}")
-    conn.execute(statement)
+    cur = conn.execute(statement, params, prepare=params is not None)
+    if rows is not None:
+        assert len(cur.fetchall()) == rows
     conn.execute("SET client_min_messages = notice")
     plans = []
     for message in logged:
@@ -315,24 +326,9 @@ def test_the_body_sweep_examines_in_proportion_to_its_batch(stale: Conn) -> None
 def _prepared_plans(
     conn: Conn, name: str, params: dict[str, object], rows: int | None = None
 ) -> list[dict[str, object]]:
-    """Run the named query prepared (as psycopg does after a few runs) and return the
-    plans auto_explain logged for it; `rows`: how many it must return."""
-    marker = query_text(name).splitlines()[0][:40]  # the statement's first line
-    logged: list[str] = []
-    conn.add_notice_handler(lambda notice: logged.append(notice.message_primary or ""))
-    conn.execute("LOAD 'auto_explain'")
-    for setting in (
-        "auto_explain.log_min_duration = 0",
-        "auto_explain.log_analyze = on",
-        "auto_explain.log_format = json",
-        "client_min_messages = log",
-    ):
-        conn.execute(f"SET {setting}")
-    cur = conn.execute(query(name), params, prepare=True)
-    if rows is not None:
-        assert len(cur.fetchall()) == rows
-    conn.execute("SET client_min_messages = notice")
-    return [json.loads(m[m.index("{") :]) for m in logged if "{" in m and marker in m]
+    """The plans of the named query, run prepared (marked by its first line)."""
+    marker = query_text(name).splitlines()[0][:40]
+    return _nested_plans(conn, query(name), params, containing=marker, rows=rows)
 
 
 @pytest.mark.parametrize("name", ["workqueue_load_running", "amqp_delivery_load"])
