@@ -14,8 +14,10 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from pepsi.amqp import publisher
 from pepsi.config import Config, load_config
 from pepsi.publishing import InvalidMessage, OutgoingMessage, Publisher, Rejected, batch
+from pepsi.publishing.message import Row
 from tests.unit import test_message_fuzz as fuzz
 
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -116,6 +118,49 @@ def test_single_publish_writes_what_the_general_path_writes(
         fast = [pub.publish(msg.stage, msg.body, header=msg.header)]
         slow = general(conn, [msg], config)
         assert rows(conn, fast) == rows(conn, slow)
+
+
+def test_amqp_batch_writes_what_the_general_path_writes(conn: Conn) -> None:
+    """The AMQP listener's function for queues without limits (pepsi.amqp_publish) stores
+    a basic.publish's rows as workqueue_publish does, in order, sender_key included."""
+    when = datetime(2031, 5, 6, 7, 8, 9, tzinfo=UTC)
+    amqp_rows = [
+        Row("inbound", "m-1", False, None, None, "alice", "192.0.2.1", None, None,
+            "text/plain", "c-1", '{"exchange": "", "routing_key": "inbound"}', when,
+            b"\x90\x00", b"body"),
+        Row("other", None, False, None, None, None, "2001:db8:1:2::7", None, None, None, None,
+            None, None, None, b""),
+        Row("inbound", None, False, None, None, None, None, None, None, None, None, None,
+            None, b"h", None),
+        Row("other", None, False, None, None, "bob", None, None, None, None, None, None, None,
+            None, None),
+    ]  # fmt: skip
+    params = publisher.lean_params(amqp_rows)
+    assert params is not None
+
+    def written(sql: str, args: tuple[Any, ...]) -> list[int]:
+        before = conn.execute("SELECT coalesce(max(workqueue_id), 0) FROM pepsi.workqueue")
+        floor = before.fetchone()
+        assert floor is not None
+        conn.execute(sql, args)
+        found = conn.execute(
+            "SELECT workqueue_id FROM pepsi.workqueue WHERE workqueue_id > %s"
+            " ORDER BY workqueue_id",
+            (floor[0],),
+        )
+        return [int(r[0]) for r in found.fetchall()]
+
+    lean = written(publisher.LEAN_SQL, params)
+    slow = written(batch.SQL, publisher._call_params(amqp_rows, {}))
+    assert len(lean) == len(slow) == 4
+    got = rows(conn, lean)
+    assert got == rows(conn, slow)
+    assert [r[0] for r in got] == ["inbound", "other", "inbound", "other"]  # as given
+    assert [r[14] for r in got] == ["user:alice", "ip:2001:db8:1:2::/64", "null:", "user:bob"]
+    assert [r[-3:] for r in got] == [
+        (False, b"\x90\x00", b"body"), (False, None, b""), (False, b"h", None),
+        (True, None, None),  # neither: no body row
+    ]  # fmt: skip
 
 
 def test_every_field_travels_through_the_arrays(pub: Publisher, conn: Conn) -> None:

@@ -18,7 +18,7 @@ from pepsi.amqp.broker import (
     routing_json,
 )
 from pepsi.amqp.framing import decode_properties
-from pepsi.amqp.publisher import Confirm, Item, group_confirms, split
+from pepsi.amqp.publisher import Confirm, Item, group_confirms, lean_params, split
 from pepsi.amqp.replies import ChannelError
 from pepsi.publishing.message import Row
 
@@ -97,6 +97,27 @@ def test_split_keeps_reject_publish_stages_apart() -> None:
     assert list(guarded) == ["full"]
     assert guarded["full"][0][0] is a
     assert a.refused is False
+
+
+def test_lean_params_are_the_columns_a_publish_fills() -> None:
+    rows = [
+        Row("q", "m-1", False, None, None, "alice", "192.0.2.1", None, None, "text/plain",
+            "c-1", '{"exchange": ""}', None, b"h1", b"b1"),
+        Row("r", None, False, None, None, None, "::1", None, None, None, None, None, None,
+            None, b""),
+    ]  # fmt: skip
+    assert lean_params(rows) == (
+        ["q", "r"], ["m-1", None], ["alice", None], ["192.0.2.1", "::1"],
+        ["text/plain", None], ["c-1", None], ['{"exchange": ""}', None], [None, None],
+        [b"h1", None], [b"b1", b""],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("field", ["dedup", "sender", "recipients", "header_from", "subject"])
+def test_lean_params_refuse_what_only_the_general_function_takes(field: str) -> None:
+    value = True if field == "dedup" else "x"
+    rows = [row("q"), row("q")._replace(**{field: value})]
+    assert lean_params(rows) is None
 
 
 def test_expiration_is_milliseconds_as_text() -> None:

@@ -4,11 +4,12 @@ Every `basic.publish` of every channel of every connection is handed to one
 `Batcher` as a `Unit` (one publish, or a channel's whole transaction at
 tx.commit). One task with its own database connection (application name
 `pepsi-amqp-publish`) takes everything submitted since its last commit and
-writes it in **one transaction** through the publish function
-`pepsi.workqueue_publish` (the same one `Publisher` uses: one NOTIFY per
-transaction, synchronous commit), then reports each unit's outcome. Publishes
-that arrive while a commit runs form the next one: grouping grows with load
-and costs nothing when idle.
+writes it in **one transaction** (one NOTIFY, synchronous commit), then reports
+each unit's outcome. Publishes that arrive while a commit runs form the next
+one: grouping grows with load and costs nothing when idle. Without a length
+limit in the batch, the transaction is one statement of `pepsi.amqp_publish`
+(only the columns a publish fills; one round trip); with one, it is
+`pepsi.workqueue_publish`, the function `Publisher` uses, which enforces them.
 
 Queue limits are the publish function's (R-3): the stages of drop-head queues
 go with the batch's limit arrays; each reject-publish stage is written under
@@ -36,6 +37,7 @@ import psycopg
 
 from pepsi.db.backoff import Backoff
 from pepsi.db.connect import connect_async
+from pepsi.db.queries import query_text
 from pepsi.errors import PepsiError, one_line
 from pepsi.publishing.batch import SQL as PUBLISH_SQL
 from pepsi.publishing.message import Row
@@ -48,6 +50,12 @@ MAX_BATCH_ROWS: Final = 2000  # rows per transaction at most
 MAX_BATCH_BYTES: Final = 32 * 1024 * 1024
 HIGH_WATER_ROWS: Final = 20_000  # waiting rows over this: publishers wait (TCP back-pressure)
 DEDUP_WINDOW: Final = 86400.0  # the function's argument; AMQP publishes never deduplicate
+LEAN_SQL: Final = query_text("amqp_publish")
+# Row fields pepsi.amqp_publish takes (stage, message_id, origin_user, origin_peer,
+# content_type, correlation_id, properties, expires, header, body), and those it does not:
+# a basic.publish never sets the latter (dedup, sender, recipients, header_from, subject).
+_LEAN_FIELDS: Final = (0, 1, 5, 6, 9, 10, 11, 12, 13, 14)
+_ENVELOPE_FIELDS: Final = (3, 4, 7, 8)
 
 Limit = tuple[int, bool]  # (MAX_LENGTH, drop-head?)
 
@@ -153,6 +161,19 @@ def _call_params(rows: Sequence[Row], limits: dict[str, Limit]) -> tuple[Any, ..
         [None] * len(stages),  # BOUNCE_STAGE: no dead-letter route for AMQP queues yet
         DEDUP_WINDOW,
     )
+
+
+def lean_params(rows: Sequence[Row]) -> tuple[Any, ...] | None:
+    """The arguments of `pepsi.amqp_publish` for `rows`, or None when a row carries a
+    field only `pepsi.workqueue_publish` takes (dedup or an envelope field)."""
+    columns = list(zip(*rows, strict=True))
+    if any(columns[2]):
+        return None
+    n = len(rows)
+    for index in _ENVELOPE_FIELDS:
+        if columns[index].count(None) != n:
+            return None
+    return tuple(list(columns[i]) for i in _LEAN_FIELDS)
 
 
 def split(
@@ -373,6 +394,15 @@ class Batcher:
             )
         conn = self._conn
         free, free_limits, guarded = split(items)
+        if not guarded:
+            # One statement is its own transaction (the connection is in autocommit): one
+            # round trip per batch instead of BEGIN, the call and COMMIT.
+            lean = None if free_limits else lean_params(free)
+            if lean is not None:
+                await conn.execute(LEAN_SQL, lean)
+            else:
+                await conn.execute(PUBLISH_SQL, _call_params(free, free_limits))
+            return
         async with conn.transaction():
             if free:
                 await conn.execute(PUBLISH_SQL, _call_params(free, free_limits))

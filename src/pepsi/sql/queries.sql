@@ -227,6 +227,10 @@ SELECT * FROM pepsi.workqueue_publish_plain(%b::text[], %b::bytea[], %b::bytea[]
 -- name: workqueue_publish_one
 SELECT pepsi.workqueue_publish_one(%b::text, %b::bytea, %b::bytea)
 
+-- name: amqp_publish
+-- The AMQP listener's batch for queues without a length limit (pepsi.amqp_publish).
+SELECT pepsi.amqp_publish(%b::text[], %b::text[], %b::text[], %b::inet[], %b::text[], %b::text[], %b::jsonb[], %b::timestamptz[], %b::bytea[], %b::bytea[])
+
 -- name: database_exists
 -- The embedded server's first start: is the `pepsi` database there yet?
 SELECT 1 FROM pg_database WHERE datname = %(name)s;
