@@ -667,18 +667,21 @@ class Deliverer:
 
     async def _write(self, batch: Outcomes) -> None:
         conn = await self._connection("settle")
+        settle = batch.acked or batch.returned or batch.unsent
+        params = {
+            "acked": id_array(w for _, w in batch.acked),
+            "returned": id_array(w for _, w in batch.returned),
+            "unsent": id_array(w for _, w in batch.unsent),
+        }
+        if not batch.dead:
+            # the common case: one statement, its own transaction (autocommit), one round
+            # trip instead of three
+            await conn.execute(query("amqp_settle"), params)
+            return
         async with conn.transaction():
-            if batch.acked or batch.returned or batch.unsent:
-                await conn.execute(
-                    query("amqp_settle"),
-                    {
-                        "acked": id_array(w for _, w in batch.acked),
-                        "returned": id_array(w for _, w in batch.returned),
-                        "unsent": id_array(w for _, w in batch.unsent),
-                    },
-                )
-            if batch.dead:
-                await self._dead_letter(conn, batch.dead)
+            if settle:
+                await conn.execute(query("amqp_settle"), params)
+            await self._dead_letter(conn, batch.dead)
 
     async def _dead_letter(self, conn: AConn, dead: list[tuple[str, int, str]]) -> None:
         reasons = {wid: reason for _, wid, reason in dead}
