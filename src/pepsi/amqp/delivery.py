@@ -329,6 +329,7 @@ class Deliverer:
         credit goes; what no consumer will take (none left) goes back to pending."""
         ready = self.ready.get(stage)
         if not ready:
+            self._claim_if_low(stage)
             return
         registry = self.registry
         if not registry.count(stage):
@@ -372,9 +373,16 @@ class Deliverer:
         if acked or expired:
             self._outcomes.acked += acked
             self._settle_soon()
-        have = len(ready) + self._loading.get(stage, 0)
-        if have * 2 <= registry.target(stage, single):
-            self.link.wake("amqp")  # the read-ahead is down to half: time for a claim
+        self._claim_if_low(stage)
+
+    def _claim_if_low(self, stage: str) -> None:
+        """Wake the dispatcher when the stage's read-ahead is down to half of what its
+        consumers should have (`capacities` then asks for the rest), and only then: a
+        dispatcher cycle per burst of acks cost more than the claims."""
+        target = self.registry.target(stage, self.single_active(stage))
+        have = len(self.ready.get(stage, ())) + self._loading.get(stage, 0)
+        if target and have * 2 <= target:
+            self.link.wake("amqp")
 
     def pump_all(self) -> None:
         """A client reads again: every stage's read-ahead may move."""
@@ -396,7 +404,6 @@ class Deliverer:
         stages, self._to_pump = self._to_pump, set()
         for stage in stages:
             self.pump(stage)
-        self.link.wake("amqp")
 
     def take_ready(self, stage: str) -> Fetched | None:
         """basic.get on a consumed queue: the head of its read-ahead, if any."""

@@ -1,0 +1,94 @@
+"""When the AMQP deliverer asks the dispatcher for a claim: only once a consumed
+stage's read-ahead is down to half of its target, not after every burst of acks (each
+wake is a dispatcher cycle)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from pepsi.amqp.consumers import READ_AHEAD_MIN, ChannelBook, Consumer, Delivery
+from pepsi.amqp.delivery import Deliverer, Fetched
+
+STAGE = "amqp:/:q"
+
+
+class Link:
+    def __init__(self) -> None:
+        self.wakes = 0
+
+    def wake(self, cause: str) -> None:
+        self.wakes += 1
+
+    def returned(self, stage: str, ids: list[int]) -> None:
+        pass
+
+    def consumed(self, stage: str, ids: list[int]) -> None:
+        pass
+
+
+class Channel:
+    """What a consuming channel does for the deliverer: frames, counted."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def delivery_frames(self, consumer: Consumer, tag: int, fetched: Fetched) -> bytes:
+        return b"x"
+
+    def send_frames(self, data: bytes) -> None:
+        self.sent += len(data)
+
+
+def deliverer_with_consumer(prefetch: int = 100) -> tuple[Deliverer, Link, Channel, Consumer]:
+    deliverer = Deliverer("", 1.0)
+    link, channel = Link(), Channel()
+    deliverer.link = link
+    book = ChannelBook(owner=channel)
+    consumer = Consumer("c", "q", STAGE, book, prefetch=prefetch)
+    deliverer.registry.add(consumer)
+    return deliverer, link, channel, consumer
+
+
+def read_ahead(deliverer: Deliverer, first: int, n: int) -> None:
+    ready = deliverer.ready.setdefault(STAGE, deque())
+    ready.extend(Fetched(first + i, "", "q", False, 0, None, b"", b"b") for i in range(n))
+
+
+def test_acks_wake_the_dispatcher_only_when_the_read_ahead_is_half_gone() -> None:
+    deliverer, link, channel, consumer = deliverer_with_consumer(prefetch=100)
+    read_ahead(deliverer, 1, READ_AHEAD_MIN)
+
+    async def rounds() -> int:
+        deliverer.pump(STAGE)  # the consumer's credit: 100
+        n = 1
+        while not link.wakes:
+            consumer.book.take(0, multiple=True)  # the client acks them all
+            deliverer.credit_freed(consumer.book)  # the next 100 go out on the next turn
+            await asyncio.sleep(0)
+            n += 1
+        return n
+
+    # 1 000 read ahead, 100 a round: the wake comes when 500 are left, not before
+    assert asyncio.run(rounds()) == 5
+    assert channel.sent == 500
+    assert len(deliverer.ready[STAGE]) == 500
+
+
+def test_an_empty_read_ahead_asks_for_a_claim_if_someone_consumes() -> None:
+    deliverer, link, _, consumer = deliverer_with_consumer()
+    deliverer.pump(STAGE)
+    assert link.wakes == 1
+    deliverer.registry.remove(consumer)
+    deliverer.pump(STAGE)
+    assert link.wakes == 1  # no consumer left: nothing to claim for
+
+
+def test_deliveries_are_recorded_for_the_acks() -> None:
+    deliverer, _, _, consumer = deliverer_with_consumer(prefetch=2)
+    read_ahead(deliverer, 7, 3)
+    deliverer.pump(STAGE)
+    assert consumer.book.unacked == {
+        1: Delivery(7, STAGE, "c", 0),
+        2: Delivery(8, STAGE, "c", 0),
+    }
