@@ -701,28 +701,33 @@ class Connection(asyncio.Protocol):
                 return False
             if self.state is State.CLOSED:
                 return True
-            # Content header and body frames on an open channel (two of a publish's three
-            # frames) and basic.ack between contents (one per message consumed) skip the
-            # general path's coroutine layers; the checks are _handle's.
+            # A frame on an open channel (a publish's three, a consumer's ack) skips the
+            # general path's coroutine layers (_handle, _channel_frame: the same checks),
+            # and basic.ack goes straight to its handler.
             channel = self.channels.get(frame.channel) if self.state is State.OPEN else None
-            if channel is None or channel.closing:
-                await self._handle(frame)
-            elif isinstance(frame, framing.RawContentHeader | framing.BodyFrame):
-                result = channel.assembler.feed(frame)
-                if result is not None:
-                    await self._channel_result(channel, result)
-            elif (
-                isinstance(frame, framing.MethodFrame)
-                and type(frame.method) is commands.Basic.Ack
-                and channel.assembler.idle
-                and channel.handler is not None
+            if (
+                channel is None
+                or channel.closing
+                or not isinstance(
+                    frame, framing.MethodFrame | framing.RawContentHeader | framing.BodyFrame
+                )
             ):
-                try:
-                    await channel.handler.basic_ack(frame.method)
-                except replies.ChannelError as error:
-                    await self._answer(close_for(error, channel.number))
-            else:
                 await self._handle(frame)
+            else:
+                result = channel.assembler.feed(frame)
+                if result is None:
+                    pass  # a content goes on
+                elif (
+                    type(result) is framing.MethodFrame
+                    and type(result.method) is commands.Basic.Ack
+                    and channel.handler is not None
+                ):
+                    try:
+                        await channel.handler.basic_ack(result.method)
+                    except replies.ChannelError as error:
+                        await self._answer(close_for(error, channel.number))
+                else:
+                    await self._channel_result(channel, result)
         except framing.ProtocolHeaderMismatch as error:
             log.info("amqp %s: %s; answering with the 0-9-1 header", self.name, error)
             self.send(error.answer)
