@@ -181,6 +181,58 @@ def test_concurrent_deletes_of_the_last_two_rows_leave_no_orphan(dsn: str) -> No
         assert not body_exists(check, body)
 
 
+def wait_until_blocked(dsn: str, pid: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as watch:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            row = watch.execute(
+                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+            ).fetchone()
+            if row is not None and row[0] == "Lock":
+                return
+            time.sleep(0.01)
+    pytest.fail(f"backend {pid} never waited for a lock")
+
+
+def test_a_copy_keeps_its_body_while_the_other_rows_go(dsn: str) -> None:
+    """No foreign key guards body_id (migration 0016): a row that copies another's body
+    (here AMQP dead-lettering) holds the original locked, and the release of a concurrent
+    delete of the body's other row waits for it, then sees the copy."""
+    with psycopg.connect(dsn, autocommit=True) as setup:
+        body = new_body(setup)
+        original = insert(setup, body, status="running", stage="amqp:/:q")
+        other = insert(setup, body, stage="elsewhere")
+    letter = [{"workqueue_id": original, "stages": ["amqp:/:dlq"], "state": {},
+               "properties": {}, "reason": "rejected"}]  # fmt: skip
+    errors: list[BaseException] = []
+    with psycopg.connect(dsn) as mover, psycopg.connect(dsn) as deleter:
+        copied = mover.execute(query("amqp_dead_letter"), {"rows": json.dumps(letter)})
+        assert copied.fetchone() == (1, 1, 0)  # one copy made, the original moved
+        deleter_pid = deleter.info.backend_pid
+
+        def delete_other() -> None:
+            try:
+                deleter.execute("DELETE FROM pepsi.workqueue WHERE workqueue_id = %s", (other,))
+                deleter.commit()
+            except psycopg.Error as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=delete_other)
+        thread.start()
+        wait_until_blocked(dsn, deleter_pid)  # on the body, locked by the mover's release
+        mover.commit()
+        thread.join(timeout=10)
+    assert errors == []
+    with psycopg.connect(dsn, autocommit=True) as check:
+        assert body_exists(check, body)
+        rows = check.execute(
+            "SELECT stage FROM pepsi.workqueue WHERE body_id = %s", (body,)
+        ).fetchall()
+        assert rows == [("amqp:/:dlq",)]
+        check.execute("DELETE FROM pepsi.workqueue WHERE body_id = %s", (body,))
+        assert not body_exists(check, body)
+
+
 def test_gc_sweeps_orphans_with_a_cursor(conn: Conn) -> None:
     kept = new_body(conn)
     insert(conn, kept)
