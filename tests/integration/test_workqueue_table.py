@@ -144,6 +144,19 @@ def test_replaced_body_is_released(conn: Conn) -> None:
     assert body_exists(conn, new)
 
 
+def wait_until_blocked(dsn: str, pid: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as watch:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            row = watch.execute(
+                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+            ).fetchone()
+            if row is not None and row[0] == "Lock":
+                return
+            time.sleep(0.01)
+    pytest.fail(f"backend {pid} never waited for a lock")
+
+
 def test_concurrent_deletes_of_the_last_two_rows_leave_no_orphan(dsn: str) -> None:
     """Without the body lock each delete would see the other row and keep the body."""
     with psycopg.connect(dsn, autocommit=True) as setup:
@@ -163,35 +176,12 @@ def test_concurrent_deletes_of_the_last_two_rows_leave_no_orphan(dsn: str) -> No
 
         thread = threading.Thread(target=delete_second)
         thread.start()
-        with psycopg.connect(dsn, autocommit=True) as watch:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:  # until the second delete waits on the lock
-                row = watch.execute(
-                    "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (other_pid,)
-                ).fetchone()
-                if row is not None and row[0] == "Lock":
-                    break
-                time.sleep(0.01)
-            else:
-                pytest.fail("the second delete never waited for the body lock")
+        wait_until_blocked(dsn, other_pid)  # the second delete waits for the body lock
         holder.commit()
         thread.join(timeout=10)
     assert errors == []
     with psycopg.connect(dsn, autocommit=True) as check:
         assert not body_exists(check, body)
-
-
-def wait_until_blocked(dsn: str, pid: int) -> None:
-    with psycopg.connect(dsn, autocommit=True) as watch:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            row = watch.execute(
-                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
-            ).fetchone()
-            if row is not None and row[0] == "Lock":
-                return
-            time.sleep(0.01)
-    pytest.fail(f"backend {pid} never waited for a lock")
 
 
 def test_a_copy_keeps_its_body_while_the_other_rows_go(dsn: str) -> None:

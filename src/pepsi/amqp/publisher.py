@@ -51,11 +51,16 @@ MAX_BATCH_BYTES: Final = 32 * 1024 * 1024
 HIGH_WATER_ROWS: Final = 20_000  # waiting rows over this: publishers wait (TCP back-pressure)
 DEDUP_WINDOW: Final = 86400.0  # the function's argument; AMQP publishes never deduplicate
 LEAN_SQL: Final = query_text("amqp_publish")
-# Row fields pepsi.amqp_publish takes (stage, message_id, origin_user, origin_peer,
-# content_type, correlation_id, properties, expires, header, body), and those it does not:
-# a basic.publish never sets the latter (dedup, sender, recipients, header_from, subject).
-_LEAN_FIELDS: Final = (0, 1, 5, 6, 9, 10, 11, 12, 13, 14)
-_ENVELOPE_FIELDS: Final = (3, 4, 7, 8)
+# The Row fields pepsi.amqp_publish takes, in its arguments' order, and those it does not
+# (a basic.publish never sets them; dedup is False).
+_LEAN_FIELDS: Final = tuple(Row._fields.index(name) for name in (
+    "stage", "message_id", "origin_user", "origin_peer", "content_type", "correlation_id",
+    "properties", "expires", "header", "body",
+))  # fmt: skip
+_DEDUP: Final = Row._fields.index("dedup")
+_ENVELOPE_FIELDS: Final = tuple(
+    Row._fields.index(name) for name in ("sender", "recipients", "header_from", "subject")
+)
 
 Limit = tuple[int, bool]  # (MAX_LENGTH, drop-head?)
 
@@ -167,7 +172,7 @@ def lean_params(rows: Sequence[Row]) -> tuple[Any, ...] | None:
     """The arguments of `pepsi.amqp_publish` for `rows`, or None when a row carries a
     field only `pepsi.workqueue_publish` takes (dedup or an envelope field)."""
     columns = list(zip(*rows, strict=True))
-    if any(columns[2]):
+    if any(columns[_DEDUP]):
         return None
     n = len(rows)
     for index in _ENVELOPE_FIELDS:
