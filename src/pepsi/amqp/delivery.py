@@ -47,6 +47,11 @@ log = logging.getLogger("pepsi.amqp")
 APPLICATION_NAME = "pepsi-amqp-delivery"
 EMPTY_PROPERTIES = b"\x00\x00"  # a row without a stored content header: no properties
 MAX_SETTLE_BATCH = 5000  # outcomes per commit
+# Acks alone wait this long for more before they are written (nothing waits on them: the
+# client's credit is freed at once): a third of the statements at 17 000 acks a second,
+# each of which cost the dispatcher and PostgreSQL more than its rows did.
+SETTLE_GATHER_SECONDS = 0.01
+SETTLE_GATHER_ROWS = 1000  # ... unless this many are waiting already
 READ_AHEAD_BYTES = 32 * 1024 * 1024  # bodies read ahead per stage before claims pause
 
 AConn = psycopg.AsyncConnection[tuple[Any, ...]]
@@ -238,6 +243,18 @@ class DeadLetterRoute(Protocol):
     async def __call__(
         self, stage: str, exchange: str, routing_keys: list[str], headers: dict[str, Any] | None
     ) -> tuple[list[str], str | None]: ...
+
+
+def worth_gathering(outcomes: Outcomes, *, awaited: bool, closing: bool) -> bool:
+    """Whether the outcomes waiting should wait SETTLE_GATHER_SECONDS for more before they
+    are written: only acks (a returned or dead-lettered message goes at once), fewer than
+    SETTLE_GATHER_ROWS, no `flush()` waiting on them, the deliverer not stopping."""
+    return (
+        not awaited
+        and not closing
+        and not (outcomes.returned or outcomes.unsent or outcomes.dead)
+        and len(outcomes.acked) < SETTLE_GATHER_ROWS
+    )
 
 
 class Deliverer:
@@ -646,6 +663,8 @@ class Deliverer:
                 self._settle_wake.clear()
                 await self._settle_wake.wait()
                 continue
+            if worth_gathering(self._outcomes, awaited=bool(self._barriers), closing=self._closing):
+                await asyncio.sleep(SETTLE_GATHER_SECONDS)
             batch = self._outcomes.take(MAX_SETTLE_BATCH)
             barriers: list[asyncio.Future[None]] = []
             if not self._outcomes:  # everything recorded so far is in this batch
