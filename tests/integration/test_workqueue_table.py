@@ -157,29 +157,37 @@ def wait_until_blocked(dsn: str, pid: int) -> None:
     pytest.fail(f"backend {pid} never waited for a lock")
 
 
+def delete_behind(dsn: str, holder: Conn, row_id: int) -> list[BaseException]:
+    """Delete `row_id` in another transaction that must wait for `holder` (a lock its
+    open transaction holds), then commit `holder`; the errors of the delete."""
+    errors: list[BaseException] = []
+    with psycopg.connect(dsn) as other:
+        other_pid = other.info.backend_pid
+
+        def delete() -> None:
+            try:
+                other.execute("DELETE FROM pepsi.workqueue WHERE workqueue_id = %s", (row_id,))
+                other.commit()
+            except psycopg.Error as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=delete)
+        thread.start()
+        wait_until_blocked(dsn, other_pid)
+        holder.commit()
+        thread.join(timeout=10)
+    return errors
+
+
 def test_concurrent_deletes_of_the_last_two_rows_leave_no_orphan(dsn: str) -> None:
     """Without the body lock each delete would see the other row and keep the body."""
     with psycopg.connect(dsn, autocommit=True) as setup:
         body = new_body(setup)
         first, second = insert(setup, body), insert(setup, body)
-    errors: list[BaseException] = []
-    with psycopg.connect(dsn) as holder, psycopg.connect(dsn) as other:
+    with psycopg.connect(dsn) as holder:
         holder.execute("DELETE FROM pepsi.workqueue WHERE workqueue_id = %s", (first,))
-        other_pid = other.info.backend_pid
-
-        def delete_second() -> None:
-            try:
-                other.execute("DELETE FROM pepsi.workqueue WHERE workqueue_id = %s", (second,))
-                other.commit()
-            except psycopg.Error as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=delete_second)
-        thread.start()
-        wait_until_blocked(dsn, other_pid)  # the second delete waits for the body lock
-        holder.commit()
-        thread.join(timeout=10)
-    assert errors == []
+        # the second delete waits for the body lock, then sees no row left
+        assert delete_behind(dsn, holder, second) == []
     with psycopg.connect(dsn, autocommit=True) as check:
         assert not body_exists(check, body)
 
@@ -194,25 +202,11 @@ def test_a_copy_keeps_its_body_while_the_other_rows_go(dsn: str) -> None:
         other = insert(setup, body, stage="elsewhere")
     letter = [{"workqueue_id": original, "stages": ["amqp:/:dlq"], "state": {},
                "properties": {}, "reason": "rejected"}]  # fmt: skip
-    errors: list[BaseException] = []
-    with psycopg.connect(dsn) as mover, psycopg.connect(dsn) as deleter:
+    with psycopg.connect(dsn) as mover:
         copied = mover.execute(query("amqp_dead_letter"), {"rows": json.dumps(letter)})
         assert copied.fetchone() == (1, 1, 0)  # one copy made, the original moved
-        deleter_pid = deleter.info.backend_pid
-
-        def delete_other() -> None:
-            try:
-                deleter.execute("DELETE FROM pepsi.workqueue WHERE workqueue_id = %s", (other,))
-                deleter.commit()
-            except psycopg.Error as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=delete_other)
-        thread.start()
-        wait_until_blocked(dsn, deleter_pid)  # on the body, locked by the mover's release
-        mover.commit()
-        thread.join(timeout=10)
-    assert errors == []
+        # the other row's delete waits on the body, locked by the mover's release
+        assert delete_behind(dsn, mover, other) == []
     with psycopg.connect(dsn, autocommit=True) as check:
         assert body_exists(check, body)
         rows = check.execute(
