@@ -299,14 +299,16 @@ def test_the_dispatcher_vacuums_the_queue_at_the_pace_of_its_traffic(pipeline: P
 
     dispatcher = pipeline.start("-L", "debug")
     before = vacuums()
-    pipeline.publish("a", count=450)
-    wait_until(lambda: pipeline.remaining() == 0, what="the queue to drain")
-    # 450 passes at one VACUUM per 100, one at a time in the background: three
-    # or four runs (a pass due while one runs waits for it)
-    wait_until(
-        lambda: dispatcher.log.count("vacuumed the queue tables") >= 3,
-        what="the dispatcher's vacuums",
-    )
+    # One run at a time, in the background: a run due while one runs starts at the next
+    # cycle after it, and no cycle comes once the queue is idle. So each burst waits for
+    # the previous run to end; 150 passes then make the next one due, whatever the pace.
+    for burst in range(1, 4):
+        pipeline.publish("a", count=150)
+        wait_until(lambda: pipeline.remaining() == 0, what="the queue to drain")
+        wait_until(
+            lambda: dispatcher.log.count("vacuumed the queue tables") >= burst,  # noqa: B023
+            what=f"the dispatcher's vacuum after burst {burst}",
+        )
     # PostgreSQL counts them (a run that found autovacuum on the table skips it)
     wait_until(lambda: vacuums() > before, what="vacuum_count to grow")
     assert dispatcher.stop() == 0
