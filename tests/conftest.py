@@ -13,6 +13,8 @@ from psycopg import conninfo, sql
 
 from pepsi.db import schema
 from pepsi.db.embedded import EmbeddedServer
+from tests import commits
+from tests.scenarios.conftest import wait_until
 
 TEMPLATE = "pepsi_template"
 
@@ -57,6 +59,27 @@ def _fresh(admin_dsn: str, template: str) -> Iterator[str]:
     yield with_dbname(admin_dsn, name)
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def no_autovacuum(admin_dsn: str) -> Iterator[None]:
+    """Autovacuum off on this test process's own server while the test runs, for
+    tests that count commits (tests/commits.py): per-table settings cannot stop
+    an autovacuum worker's visit to a database, the server setting can."""
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        admin.execute("ALTER SYSTEM SET autovacuum = off")
+        admin.execute("SELECT pg_reload_conf()")
+        # the launcher exits once it reads the setting; a worker ends its visit
+        wait_until(
+            lambda: commits.server_processes(admin, "autovacuum") == 0,
+            what="autovacuum to stop",
+        )
+    try:
+        yield
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as admin:
+            admin.execute("ALTER SYSTEM RESET autovacuum")
+            admin.execute("SELECT pg_reload_conf()")
 
 
 @pytest.fixture

@@ -30,7 +30,8 @@ from pepsi.publishing import (
     PublishFailed,
     Rejected,
 )
-from tests.scenarios.conftest import REPO, wait_until
+from tests.commits import committed
+from tests.scenarios.conftest import REPO
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 
@@ -109,6 +110,7 @@ def test_publish_is_committed_with_everything_it_carries(pub: Publisher, conn: C
     )  # fmt: skip
 
 
+@pytest.mark.usefixtures("no_autovacuum")
 def test_batch_is_one_transaction_one_notify_few_round_trips(
     conf: Path, dsn: str, admin_dsn: str, conn: Conn
 ) -> None:
@@ -119,23 +121,8 @@ def test_batch_is_one_transaction_one_notify_few_round_trips(
     listener_pid = listener.info.backend_pid
     with psycopg.connect(admin_dsn, autocommit=True) as admin:
 
-        def settled() -> int:
-            admin.execute("SELECT pg_stat_clear_snapshot()")
-            row = admin.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND pid <> %s",
-                (dbname, listener_pid),
-            ).fetchone()
-            assert row is not None
-            return int(row[0])
-
         def xacts() -> int:
-            wait_until(lambda: settled() == 0, what="publisher backends to exit")
-            admin.execute("SELECT pg_stat_clear_snapshot()")
-            row = admin.execute(
-                "SELECT xact_commit FROM pg_stat_database WHERE datname = %s", (dbname,)
-            ).fetchone()
-            assert row is not None
-            return int(row[0])
+            return committed(admin, dbname, keep={listener_pid})
 
         config = load_config(conf)
         before = xacts()

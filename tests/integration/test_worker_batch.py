@@ -12,13 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import psycopg
 import pytest
 from psycopg import conninfo
 
 from pepsi.protocol import encode_ids, parse_status
-from tests.scenarios.conftest import REPO, wait_until
+from tests.commits import committed
+from tests.scenarios.conftest import REPO
 
 CONF = """
 [stage-meta]
@@ -33,34 +33,6 @@ NEXT = hdr
 HANDLER = tests.stages:header_only
 QUEUE_LIMIT = 8
 """
-
-
-def backend_processes(dbname: str) -> int:
-    """The server's processes still serving `dbname` (their titles name it)."""
-    return sum(
-        1
-        for proc in psutil.process_iter(["cmdline"])
-        if (cmdline := proc.info["cmdline"])
-        and cmdline[0].startswith("postgres: ")
-        and dbname in cmdline[0].split()
-    )
-
-
-def commits(admin: psycopg.Connection[tuple[object, ...]], dbname: str) -> int:
-    def settled() -> int | None:
-        # A backend leaves numbackends before it writes its counters at exit: wait for
-        # its process to be gone too, or its last commits land in the next count.
-        if backend_processes(dbname):
-            return None
-        admin.execute("SELECT pg_stat_clear_snapshot()")
-        row = admin.execute(
-            "SELECT numbackends, xact_commit FROM pg_stat_database WHERE datname = %s",
-            (dbname,),
-        ).fetchone()
-        assert row is not None
-        return None if int(str(row[0])) else int(str(row[1])) + 1
-
-    return int(wait_until(settled, what="the database to have no backends")) - 1
 
 
 def run_worker(dsn: str, conf: Path, stage: str, ids: list[int]) -> list[bytes]:
@@ -97,37 +69,34 @@ def rows(dsn: str) -> list[int]:
         ]
 
 
+@pytest.mark.usefixtures("no_autovacuum")
 def test_bodyless_stage_batches_round_trips(
     dsn: str, admin_dsn: str, rows: list[int], tmp_path: Path
 ) -> None:
     conf = tmp_path / "pepsi.conf"
     conf.write_text(CONF)
     dbname = str(conninfo.conninfo_to_dict(dsn)["dbname"])
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        # the commits counted are the worker's: no autovacuum or autoanalyze in between
-        for table in ("pepsi.workqueue", "pepsi.workqueue_body"):
-            conn.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = false)")
     with psycopg.connect(admin_dsn, autocommit=True) as admin:
-        before = commits(admin, dbname)
+        before = committed(admin, dbname)
         run_worker(dsn, conf, "meta", [])
-        startup = commits(admin, dbname) - before
+        startup = committed(admin, dbname) - before
 
-        before = commits(admin, dbname)
+        before = committed(admin, dbname)
         lines = run_worker(dsn, conf, "meta", rows)
-        batched = commits(admin, dbname) - before - startup
+        batched = committed(admin, dbname) - before - startup
 
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("UPDATE pepsi.workqueue SET status = 'running'")
-        before = commits(admin, dbname)
+        before = committed(admin, dbname)
         body_lines = run_worker(dsn, conf, "body", rows)
-        one_by_one = commits(admin, dbname) - before - startup
+        one_by_one = committed(admin, dbname) - before - startup
 
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("UPDATE pepsi.workqueue SET status = 'running', state = '{}'")
             conn.execute("UPDATE pepsi.workqueue_body SET header = 'Subject: hi'")
-        before = commits(admin, dbname)
+        before = committed(admin, dbname)
         run_worker(dsn, conf, "hdr", rows)
-        header_stage = commits(admin, dbname) - before - startup
+        header_stage = committed(admin, dbname) - before - startup
 
     assert [parse_status(line).status for line in lines] == [0] * 8
     assert all(parse_status(line).report for line in lines)  # timing reports ride along
