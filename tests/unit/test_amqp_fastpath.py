@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Callable
 from typing import Any
 
+import pika.frame
+import pika.spec
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from pamqp import commands
 
@@ -196,3 +199,112 @@ def test_unit_counts_rows_and_size() -> None:
     unit = Unit(items, lambda _items, _error: None)
     assert unit.rows == 3
     assert unit.size == sum(i.size for i in items) == 5 + 2 + 1 + 2 + 0 + 2
+
+
+# --- a whole publish at once (FrameReader.take_publish) ------------------------------------
+
+MAX_MESSAGE = 3000  # some publishes below are larger: the assembler refuses those
+
+
+def _publish_wire(channel: int, body: bytes, props: pika.spec.BasicProperties) -> bytes:
+    step = 1024 - 8  # frame_max 1024: a body over 1016 octets takes several frames
+    return b"".join(
+        [
+            pika.frame.Method(channel, pika.spec.Basic.Publish(exchange="ex", routing_key="rk")).marshal(),
+            pika.frame.Header(channel, len(body), props).marshal(),
+            *(pika.frame.Body(channel, body[i : i + step]).marshal()
+              for i in range(0, len(body), step)),
+        ]
+    )  # fmt: skip
+
+
+_TRAFFIC = st.sampled_from(
+    [
+        _publish_wire(1, b"x" * 100, pika.spec.BasicProperties(delivery_mode=2)),
+        _publish_wire(1, b"y" * 2500, pika.spec.BasicProperties(content_type="a/b")),
+        _publish_wire(2, b"", pika.spec.BasicProperties(headers={"k": [1, "v"]})),
+        _publish_wire(2, b"z" * 4000, pika.spec.BasicProperties()),  # over MAX_MESSAGE
+        pika.frame.Method(1, pika.spec.Basic.Ack(7)).marshal(),
+        pika.frame.Heartbeat().marshal(),
+        pika.frame.Body(1, b"stray").marshal(),
+    ]
+)
+
+
+def _content(content: framing.Content) -> tuple[Any, ...]:
+    method = content.method
+    fields = tuple(getattr(method, name) for name in PUBLISH_FIELDS)
+    return ("content", content.channel, fields, content.raw_properties, content.body)
+
+
+def _read(data: bytes, cuts: list[int], *, whole: bool) -> list[tuple[Any, ...]]:
+    """What the reader and the channels' assemblers make of `data` fed in chunks; with
+    `whole`, trying `take_publish` before each frame, as the connection does."""
+    reader = framing.FrameReader(1024, expect_protocol_header=False)
+    assemblers = {n: framing.ContentAssembler(n, max_message_size=MAX_MESSAGE) for n in (1, 2)}
+
+    def accept(channel: int, body_size: int) -> bool:
+        assembler = assemblers.get(channel)
+        return assembler is not None and assembler.idle and body_size <= MAX_MESSAGE
+
+    out: list[tuple[Any, ...]] = []
+    bounds = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    for start, stop in itertools.pairwise(bounds):
+        reader.feed(data[start:stop])
+        while True:
+            try:
+                content = reader.take_publish(accept) if whole else None
+                if content is not None:
+                    out.append(_content(content))
+                    continue
+                frame = reader.next_frame()
+                if frame is None:
+                    break
+                if isinstance(
+                    frame, framing.MethodFrame | framing.RawContentHeader | framing.BodyFrame
+                ):
+                    if frame.channel not in assemblers:  # not open
+                        out.append(("closed channel", frame.channel))
+                        continue
+                    result = assemblers[frame.channel].feed(frame)
+                    if isinstance(result, framing.Content):
+                        out.append(_content(result))
+                    elif result is not None:
+                        out.append(("method", frame.channel, type(result.method)))
+                else:
+                    out.append(("frame", type(frame)))
+            except framing.FrameError as error:
+                out.append(("error", type(error), error.text, error.fatal))
+                if error.fatal:
+                    return out
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    frames=st.lists(_TRAFFIC, max_size=8),
+    flips=st.lists(st.tuples(st.integers(min_value=0), st.integers(0, 255)), max_size=3),
+    cuts=st.lists(st.integers(min_value=0, max_value=20_000), max_size=12),
+)
+def test_whole_publishes_read_as_frame_by_frame(
+    frames: list[bytes], flips: list[tuple[int, int]], cuts: list[int]
+) -> None:
+    data = bytearray(b"".join(frames))
+    for position, value in flips:
+        if data:
+            data[position % len(data)] = value
+    assert _read(bytes(data), cuts, whole=True) == _read(bytes(data), cuts, whole=False)
+
+
+def test_take_publish_takes_only_whole_publishes() -> None:
+    wire = _publish_wire(1, b"b" * 2000, pika.spec.BasicProperties(delivery_mode=2))
+    reader = framing.FrameReader(1024, expect_protocol_header=False)
+    reader.feed(wire[:-1])
+    assert reader.take_publish(lambda channel, size: True) is None  # the last octet is missing
+    assert reader.buffered == len(wire) - 1  # nothing consumed
+    reader.feed(wire[-1:])
+    assert reader.take_publish(lambda channel, size: False) is None  # the channel declines
+    content = reader.take_publish(lambda channel, size: (channel, size) == (1, 2000))
+    assert content is not None
+    assert content.body == b"b" * 2000
+    assert reader.buffered == 0

@@ -29,7 +29,7 @@ import json
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from pamqp import base, commands
 
@@ -140,6 +140,29 @@ def column_peer(peer: str | None) -> str | None:
         return str(ipaddress.ip_address(peer))
     except ValueError:
         return None
+
+
+class Route(NamedTuple):
+    """Where a publish goes: its queues (sorted), and their stages when every one of them
+    takes a plain row (no length or byte limit, no message TTL); else None."""
+
+    queues: list[str]
+    plain: tuple[str, ...] | None
+
+
+def plain_stages(view: VhostView, queues: list[str]) -> tuple[str, ...] | None:
+    stages = []
+    for name in queues:
+        queue = view.queues[name]
+        arguments = queue.arguments
+        if (
+            queue.limit is not None
+            or arguments.max_length_bytes is not None
+            or arguments.message_ttl is not None
+        ):
+            return None
+        stages.append(queue.stage)
+    return tuple(stages)
 
 
 def routing_json(exchange: str, routing_key: str) -> str:
@@ -334,6 +357,12 @@ class Broker:
         await self.catalogue.close()
 
 
+def _as_publish_error(error: AMQPError) -> None:
+    """An error of a publish is answered as basic.publish's (its class and method ids)."""
+    if not error.class_id:
+        error.class_id, error.method_id = _PUBLISH_CLASS, _PUBLISH_METHOD
+
+
 class BrokerChannel(ConsumingChannel):
     """One channel's exchanges, queues and publishes (and, inherited, its consuming)."""
 
@@ -356,7 +385,7 @@ class BrokerChannel(ConsumingChannel):
         self._routing: dict[tuple[str, str], str] = {}  # routing_json, per key
         self._props_cache: dict[bytes, Properties] = {}  # read_properties, per raw octets
         self._route_view: VhostView | None = None  # the view _route_cache was made from
-        self._route_cache: dict[tuple[str, str], list[str]] = {}  # queues, per key
+        self._route_cache: dict[tuple[str, str], Route] = {}  # per (exchange, key)
         self._flush_scheduled = False
 
     async def closed(self) -> None:
@@ -707,65 +736,99 @@ class BrokerChannel(ConsumingChannel):
     async def basic_publish(self, content: framing.Content) -> None:
         method = content.method
         assert isinstance(method, commands.Basic.Publish)
-        try:  # as `_method`, without a generator context manager per publish
-            item = await self._route(content, method)
+        try:  # not a context manager: this is the path of every publish
+            self._may_publish(method)
+            view = self.catalogue.cached(self.vhost) or await self.catalogue.view(self.vhost)
+            unit = self._publish_unit(content, method, view)
         except AMQPError as error:
-            if not error.class_id:
-                error.class_id, error.method_id = _PUBLISH_CLASS, _PUBLISH_METHOD
+            _as_publish_error(error)
             raise
-        if self.tx is not None:
-            self.tx.append(item)
-            return
-        if self.confirms is not None:
-            tag = self.confirms.next_tag
-            self.confirms.next_tag += 1
-            unit = Unit([item], lambda items, error: self._settle(tag, items, error))
-        elif item.rows:
-            unit = Unit([item], self._unconfirmed)
-        else:
-            return
-        batcher = self.broker.batcher
-        if not batcher.has_room:
-            await batcher.room()
-        batcher.submit(unit)
-        self.published = True
+        if unit is not None:
+            batcher = self.broker.batcher
+            if not batcher.has_room:
+                await batcher.room()
+            batcher.submit(unit)
+            self.published = True
 
-    async def _route(self, content: framing.Content, method: commands.Basic.Publish) -> Item:
+    def publish_now(self, content: framing.Content) -> bool:
+        """`basic_publish` without awaiting anything, when nothing needs to be awaited
+        (the vhost's catalogue is in memory, the batcher has room); False otherwise,
+        before anything is done: then the connection awaits `basic_publish`."""
+        method = content.method
+        assert isinstance(method, commands.Basic.Publish)
+        view = self.catalogue.cached(self.vhost)
+        batcher = self.broker.batcher
+        if view is None or not batcher.has_room:
+            return False
+        try:
+            self._may_publish(method)
+            unit = self._publish_unit(content, method, view)
+        except AMQPError as error:
+            _as_publish_error(error)
+            raise
+        if unit is not None:
+            batcher.submit(unit)
+            self.published = True
+        return True
+
+    def _may_publish(self, method: commands.Basic.Publish) -> None:
         if method.immediate:
             raise AMQPConnectionError(NOT_IMPLEMENTED, "immediate=true")
-        exchange, routing_key = str(method.exchange), str(method.routing_key)
+        exchange = str(method.exchange)
         if exchange not in self._writable:
             self._require(Access.WRITE, EXCHANGE, exchange)
             self._writable.add(exchange)  # the connection's permission does not change
-        view = self.catalogue.cached(self.vhost) or await self.catalogue.view(self.vhost)
+
+    def _publish_unit(
+        self, content: framing.Content, method: commands.Basic.Publish, view: VhostView
+    ) -> Unit | None:
+        """Route the publish; the unit to submit, or None (in a transaction, or nothing
+        to write and no confirm to send)."""
+        item = self._route(content, method, view)
+        if self.tx is not None:
+            self.tx.append(item)
+            return None
+        if self.confirms is not None:
+            tag = self.confirms.next_tag
+            self.confirms.next_tag += 1
+            return Unit([item], lambda items, error: self._settle(tag, items, error))
+        if item.rows:
+            return Unit([item], self._unconfirmed)
+        return None
+
+    def _route(
+        self, content: framing.Content, method: commands.Basic.Publish, view: VhostView
+    ) -> Item:
+        exchange, routing_key = str(method.exchange), str(method.routing_key)
         props, headers, expires = self._properties(content, view)
-        queues = self._queues_for(view, exchange, routing_key, headers)
-        if not queues:
+        route = self._queues_for(view, exchange, routing_key, headers)
+        if not route.queues:
             if method.mandatory:
                 if self.tx is not None:
                     self.tx_returns.append(content)
                 else:
                     self._return(content)
             return Item([])
-        return self._item(content, view, queues, props, expires)
+        return self._item(content, view, route, props, expires)
 
     def _queues_for(
         self, view: VhostView, exchange: str, routing_key: str, headers: dict[str, Any] | None
-    ) -> list[str]:
+    ) -> Route:
         """The sorted destination queues; without headers, remembered per (exchange, key)
         for as long as the vhost's view (immutable, replaced on any change) stays the same."""
         if headers is not None:
-            return sorted(view.table.route(exchange, routing_key, headers))
+            return Route(sorted(view.table.route(exchange, routing_key, headers)), None)
         if self._route_view is not view:
             self._route_view, self._route_cache = view, {}
         key = (exchange, routing_key)
-        queues = self._route_cache.get(key)
-        if queues is None:
+        route = self._route_cache.get(key)
+        if route is None:
             queues = sorted(view.table.route(exchange, routing_key, None))  # 404/403 raise
+            route = Route(queues, plain_stages(view, queues))
             if len(self._route_cache) >= ROUTING_CACHE:
                 self._route_cache.clear()
-            self._route_cache[key] = queues
-        return queues
+            self._route_cache[key] = route
+        return route
 
     def _properties(
         self, content: framing.Content, view: VhostView
@@ -809,7 +872,7 @@ class BrokerChannel(ConsumingChannel):
         self,
         content: framing.Content,
         view: VhostView,
-        queues: list[str],
+        route: Route,
         props: Properties,
         expires: dt.datetime | None,
     ) -> Item:
@@ -843,11 +906,13 @@ class BrokerChannel(ConsumingChannel):
             content.raw_properties,  # header
             content.body,
         )
+        if route.plain is not None:
+            return Item([Row._make((stage, *tail)) for stage in route.plain])
         rows: list[Row] = []
         limits: dict[str, tuple[int, bool]] = {}
         now: dt.datetime | None = None
         rejected = False
-        for name in queues:
+        for name in route.queues:
             queue = view.queues[name]
             max_bytes = queue.arguments.max_length_bytes
             if (  # x-max-length-bytes, reject-publish: by the expiry pass's estimate
@@ -874,7 +939,12 @@ class BrokerChannel(ConsumingChannel):
     # ---- settling publishes ----------------------------------------------------------------
 
     def _settle(self, tag: int, items: list[Item], error: BaseException | None) -> None:
-        ok = error is None and not any(item.refused for item in items)
+        ok = error is None
+        if ok:
+            for item in items:
+                if item.refused:
+                    ok = False
+                    break
         self._settled.append((tag, ok))
         if not self._flush_scheduled:
             self._flush_scheduled = True

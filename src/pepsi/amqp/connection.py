@@ -339,6 +339,11 @@ class ChannelHandler:
     async def basic_publish(self, content: framing.Content) -> None:
         raise not_implemented(content.method)
 
+    def publish_now(self, content: framing.Content) -> bool:
+        """Handle a publish without awaiting, if possible; False (before doing anything)
+        sends it to `basic_publish`. A fast path only: the default always declines."""
+        return False
+
     async def basic_get(self, method: commands.Basic.Get) -> None:
         raise not_implemented(method)
 
@@ -675,7 +680,21 @@ class Connection(asyncio.Protocol):
                     if self._write_paused:
                         await self._writable.wait()
                         continue
-                    if not await self._next():
+                    # A whole publish is taken at once and, mostly, handled without
+                    # a coroutine; anything else goes frame by frame.
+                    content = (
+                        self._reader.take_publish(self._takes_publish)
+                        if self.state is State.OPEN
+                        else None
+                    )
+                    if content is None:
+                        going = await self._next()
+                    else:
+                        try:
+                            going = self._publish_now(content) or await self._publish(content)
+                        except Exception as error:  # noqa: BLE001  # as _next answers it
+                            going = await self._publish_failed(content, error)
+                    if not going:
                         break
                     if clock() > turn_ends:
                         # Let the loop run between runs of frames: the database replies
@@ -692,6 +711,32 @@ class Connection(asyncio.Protocol):
         finally:
             await self._close_all_channels()
             self._gone_cb(self)
+
+    def _publish_now(self, content: framing.Content) -> bool:
+        handler = self.channels[content.channel].handler
+        assert handler is not None  # checked by _takes_publish
+        return handler.publish_now(content)
+
+    async def _publish(self, content: framing.Content) -> bool:
+        """A publish the handler could not take without awaiting."""
+        await self._channel_result(self.channels[content.channel], content)
+        return True
+
+    async def _publish_failed(self, content: framing.Content, error: Exception) -> bool:
+        if isinstance(error, replies.ChannelError):
+            await self._answer(close_for(error, content.channel))
+            return True
+        return await self._frame_failed(error)
+
+    def _takes_publish(self, number: int, body_size: int) -> bool:
+        channel = self.channels.get(number)
+        return (
+            channel is not None
+            and not channel.closing
+            and channel.handler is not None
+            and channel.assembler.idle
+            and body_size <= channel.assembler.max_message_size
+        )
 
     async def _next(self) -> bool:
         """Handle one frame; False when no complete frame is buffered."""
@@ -728,23 +773,29 @@ class Connection(asyncio.Protocol):
                         await self._answer(close_for(error, channel.number))
                 else:
                     await self._channel_result(channel, result)
-        except framing.ProtocolHeaderMismatch as error:
+        except Exception as error:  # noqa: BLE001  # each kind answered in _frame_failed
+            return await self._frame_failed(error)
+        return True
+
+    async def _frame_failed(self, error: Exception) -> bool:
+        """Answer what handling a frame raised; False when no frame should follow."""
+        if isinstance(error, framing.ProtocolHeaderMismatch):
             log.info("amqp %s: %s; answering with the 0-9-1 header", self.name, error)
             self.send(error.answer)
             self.state = State.CLOSED
             self._close_transport()
             return False
-        except framing.FrameError as error:
+        if isinstance(error, framing.FrameError):
             await self._answer(close_for(error))
             return not error.fatal
-        except replies.AMQPError as error:
+        if isinstance(error, replies.AMQPError):
             await self._answer(close_for(error))
-        except Exception:  # a bug (here or in a handler): this connection only
-            log.exception("amqp %s: internal error; closing the connection", self.name)
-            text = _reply_text(replies.INTERNAL_ERROR, "internal error")
-            await self._answer(Close(0, replies.INTERNAL_ERROR, text, drop=True))
-            return False
-        return True
+            return True
+        # a bug (here or in a handler): this connection only
+        log.error("amqp %s: internal error; closing the connection", self.name, exc_info=error)
+        text = _reply_text(replies.INTERNAL_ERROR, "internal error")
+        await self._answer(Close(0, replies.INTERNAL_ERROR, text, drop=True))
+        return False
 
     async def _handle(self, frame: framing.Frame) -> None:
         if isinstance(frame, framing.ProtocolHeaderFrame):

@@ -28,7 +28,7 @@ rest of the payload for every table item (quadratic).
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Final, TypeVar
@@ -198,7 +198,9 @@ class MessageTooLarge(FrameError):
 # --- frames -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+# Frames are values, but not frozen dataclasses: a frozen __init__ sets each field with
+# object.__setattr__ and costs about four times as much, and three are made per publish.
+@dataclass(slots=True)
 class ProtocolHeaderFrame:
     """The client's protocol header was accepted; `version` is (0, 9, 1) or (0, 9, 0)."""
 
@@ -206,7 +208,7 @@ class ProtocolHeaderFrame:
     channel: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MethodFrame:
     """A decoded method (a `pamqp.commands` instance) on a channel."""
 
@@ -219,7 +221,7 @@ class MethodFrame:
         return isinstance(self.method, CONTENT_METHODS)
 
 
-@dataclass(frozen=True)  # no slots: `properties` is a cached_property
+@dataclass  # no slots: `properties` is a cached_property
 class RawContentHeader:
     """A content header kept as received: `raw_properties` is the property flags and the
     property list exactly as on the wire, to be stored and forwarded unchanged."""
@@ -234,7 +236,7 @@ class RawContentHeader:
         return decode_properties(self.raw_properties, channel=self.channel)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BodyFrame:
     """One content body frame's payload."""
 
@@ -242,7 +244,7 @@ class BodyFrame:
     payload: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HeartbeatFrame:
     """A heartbeat (always on channel 0)."""
 
@@ -252,7 +254,7 @@ class HeartbeatFrame:
 Frame = ProtocolHeaderFrame | MethodFrame | RawContentHeader | BodyFrame | HeartbeatFrame
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Content:
     """A complete content-bearing method: method, header (raw) and the whole body."""
 
@@ -597,6 +599,7 @@ class FrameReader:
         self._pos = 0
         self._need_header = expect_protocol_header
         self._failed: FrameError | None = None
+        self._good_properties = b""
 
     @property
     def frame_max(self) -> int:
@@ -647,6 +650,84 @@ class FrameReader:
         if self._pos:
             del self._buf[: self._pos]
             self._pos = 0
+
+    def take_publish(self, accept: Callable[[int, int], bool]) -> Content | None:
+        """A whole basic.publish at once (the hot path of a publisher), or None.
+
+        Taken only when its method, content header and body frames are all buffered,
+        one after another on one channel, each within frame_max and well formed, and
+        `accept(channel, body_size)` agrees (the channel expects a method and the body
+        is within its limit). Otherwise nothing is consumed, and `next_frame` reads
+        the same octets frame by frame, with its errors.
+        """
+        if self._need_header or self._failed is not None:
+            return None
+        buf, start = self._buf, self._pos
+        # (16: a frame header and the shortest basic.publish; an ack is turned away here)
+        if len(buf) - start < 16 or _U32.unpack_from(buf, start + 7)[0] != _PUBLISH_INDEX:
+            return None
+        end = self._frame_end(start, FRAME_METHOD, -1)
+        if end < start + 16:
+            return None
+        channel = _U16.unpack_from(buf, start + 1)[0]
+        method = _fast_publish(bytes(buf[start + 7 : end]))
+        pos = end + 1
+        end = self._frame_end(pos, FRAME_HEADER, channel)
+        if method is None or channel == 0 or end < pos + 7 + 14:
+            return None
+        class_id, weight, body_size = _CONTENT_HEAD.unpack_from(buf, pos + 7)
+        raw = bytes(buf[pos + 19 : end])
+        if (
+            class_id != BASIC_CLASS_ID
+            or weight != 0
+            or not self._properties_ok(raw)
+            or not accept(channel, body_size)
+        ):
+            return None
+        pos = end + 1
+        parts: list[bytes] = []
+        remaining = body_size
+        while remaining:
+            end = self._frame_end(pos, FRAME_BODY, channel)
+            if not 0 < end - pos - 7 <= remaining:  # also end < 0: not all buffered
+                return None
+            parts.append(bytes(buf[pos + 7 : end]))
+            remaining -= end - pos - 7
+            pos = end + 1
+        self._pos = pos
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        return Content(channel, method, RawContentHeader(channel, body_size, raw), body)
+
+    def _frame_end(self, pos: int, frame_type: int, channel: int) -> int:
+        """Where the frame at `pos` ends (its frame-end octet) if it is whole, of
+        `frame_type`, on `channel` (-1: any) and within frame_max; else -1."""
+        buf = self._buf
+        if len(buf) - pos < 7:
+            return -1
+        kind, on, size = _FRAME_HEAD.unpack_from(buf, pos)
+        end: int = pos + 7 + size
+        if (
+            kind != frame_type
+            or (channel >= 0 and on != channel)
+            or (self._frame_max and size > self._frame_max)
+            or len(buf) <= end
+            or buf[end] != FRAME_END
+        ):
+            return -1
+        return end
+
+    def _properties_ok(self, raw: bytes) -> bool:
+        """Whether content properties are well formed; the last good list is remembered
+        (a publisher mostly repeats one). False also when unsure: the frame path decides."""
+        if raw == self._good_properties:
+            return True
+        try:
+            _check_properties(raw)
+        except _Malformed:
+            return False
+        if len(raw) <= 256:
+            self._good_properties = raw
+        return True
 
     def _read_header(self) -> ProtocolHeaderFrame | None:
         got = bytes(self._buf[self._pos : self._pos + 8])

@@ -132,26 +132,27 @@ class Item:
         return total
 
 
-@dataclass
 class Unit:
     """Items committed together or not at all; `done` gets the outcome once.
 
     `done(items, None)` after the commit (each item's `refused` says whether a
     reject-publish queue refused it); `done(items, error)` if it did not commit.
+    `rows` and `size` are counted once here: a unit's items do not change after.
+    A plain class with slots, not a dataclass: one is made per publish.
     """
 
-    items: list[Item]
-    done: Callable[[list[Item], BaseException | None], None]
-    # Counted once at construction (a unit's items are not changed after it is made);
-    # plain attributes, since 3.11's cached_property takes a lock on every first access.
-    rows: int = field(init=False)
-    size: int = field(init=False)
+    __slots__ = ("done", "items", "rows", "size")
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self, items: list[Item], done: Callable[[list[Item], BaseException | None], None]
+    ) -> None:
+        self.items = items
+        self.done = done
         rows = size = 0
-        for item in self.items:
-            rows += len(item.rows)
-            size += item.size
+        for item in items:
+            for row in item.rows:
+                rows += 1
+                size += len(row.body or b"") + len(row.header or b"")
         self.rows, self.size = rows, size
 
 
