@@ -86,6 +86,18 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see {self.prog} --help)")
 
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        # Python 3.11's argparse gives a one-value positional an empty list when a
+        # second "--" ends the line (`... -- a b --`): a missing argument, not a crash.
+        for action in self._actions:
+            value = getattr(parsed, action.dest, None)
+            if not action.option_strings and action.nargs is None and isinstance(value, list):
+                self.error(f"argument {action.metavar or action.dest}: expected one argument")
+        return parsed, extras
+
 
 def build_parser(prog: str, command: str | None = None) -> argparse.ArgumentParser:
     """The parser of `pepsi`; only `command`'s module is imported (the others list by name)."""

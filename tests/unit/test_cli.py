@@ -83,6 +83,8 @@ def test_bad_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> N
         (["top", "--count", "1.5"], "argument --count: invalid int value: '1.5'"),
         (["-c"], "argument -c/--config: expected one argument"),
         (["queue", "list", "--status", "gone"], "argument --status: invalid choice: 'gone'"),
+        # a second "--" left Python 3.11's argparse giving READ an empty list
+        (["amqp", "permissions", "set", "--", "u", "c", "w", "--"], "argument READ: expected one"),
     ],
 )
 def test_argparse_mistakes_are_one_line_exit_2(
