@@ -663,10 +663,13 @@ class FrameReader:
         if self._need_header or self._failed is not None:
             return None
         buf, start = self._buf, self._pos
-        # (16: a frame header and the shortest basic.publish; an ack is turned away here)
-        if len(buf) - start < 16 or _U32.unpack_from(buf, start + 7)[0] != _PUBLISH_INDEX:
-            return None
-        end = self._frame_end(start, FRAME_METHOD, -1)
+        # 16: a frame header and the shortest basic.publish. An ack is turned away by
+        # its method id, before the frame is looked at.
+        end = (
+            self._frame_end(start, FRAME_METHOD, -1)
+            if len(buf) - start >= 16 and _U32.unpack_from(buf, start + 7)[0] == _PUBLISH_INDEX
+            else -1
+        )
         if end < start + 16:
             return None
         channel = _U16.unpack_from(buf, start + 1)[0]
