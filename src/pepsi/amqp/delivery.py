@@ -525,7 +525,9 @@ class Deliverer:
             conn = await self._connection("fetch")
             try:
                 async with conn.transaction():
-                    cur = await conn.execute(query("amqp_get"), {"stage": queue.stage})
+                    cur = await conn.execute(
+                        query("amqp_get"), {"stage": queue.stage}, binary=True
+                    )  # as amqp_delivery_load: the body as bytes, not hex
                     row = await cur.fetchone()
             except psycopg.OperationalError:
                 await self._drop("fetch")
@@ -600,7 +602,12 @@ class Deliverer:
             self._in_fetch = ids
             try:
                 conn = await self._connection("fetch")
-                cur = await conn.execute(query("amqp_delivery_load"), {"ids": id_array(ids)})
+                # Binary results: a body comes as its bytes, not as hex twice their size
+                # (half the data to read, and the server's 8 KB writes wake this loop
+                # half as often; no hex encoding and decoding on either side).
+                cur = await conn.execute(
+                    query("amqp_delivery_load"), {"ids": id_array(ids)}, binary=True
+                )
                 rows = {int(row[0]): row for row in await cur.fetchall()}
             except (psycopg.Error, PepsiError, OSError) as error:
                 log.error("amqp: could not load %d deliveries: %s", len(ids), one_line(error))
