@@ -123,6 +123,8 @@ def column_text(value: object) -> str | None:
 
     The property stays in the raw header either way; the column is for SQL.
     """
+    if value is None:  # the common case, three times per publish
+        return None
     if isinstance(value, bytes):
         try:
             value = value.decode("utf-8")
