@@ -15,6 +15,9 @@ from hypothesis import strategies as st
 from pamqp import commands
 
 from pepsi.amqp import framing
+from pepsi.amqp.arguments import QueueDeclaration
+from pepsi.amqp.broker import plain_stages
+from pepsi.amqp.catalogue import Queue, VhostView
 from pepsi.amqp.publisher import Item, Unit
 from pepsi.publishing.message import Row
 
@@ -308,3 +311,31 @@ def test_take_publish_takes_only_whole_publishes() -> None:
     assert content is not None
     assert content.body == b"b" * 2000
     assert reader.buffered == 0
+
+
+# --- routes that take plain rows --------------------------------------------------------
+
+
+def _view(arguments: dict[str, dict[str, object]]) -> VhostView:
+    queues = {
+        name: Queue(QueueDeclaration(name, arguments=args), f"amqp:/:{name}")
+        for name, args in arguments.items()
+    }
+    return VhostView("/", {}, queues, ())
+
+
+@pytest.mark.parametrize(
+    "limited",
+    [
+        {"x-max-length": 10},
+        {"x-max-length": 10, "x-overflow": "drop-head"},
+        {"x-max-length-bytes": 1000},
+        {"x-max-length-bytes": 1000, "x-overflow": "drop-head"},
+        {"x-message-ttl": 1000},
+    ],
+)
+def test_a_route_takes_plain_rows_only_without_limits_or_ttl(limited: dict[str, object]) -> None:
+    view = _view({"a": {}, "b": {"x-queue-type": "classic"}, "c": limited})
+    assert plain_stages(view, ["a", "b"]) == ("amqp:/:a", "amqp:/:b")
+    assert plain_stages(view, ["a", "c"]) is None  # the general path checks each queue
+    assert plain_stages(view, []) == ()
