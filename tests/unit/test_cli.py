@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pepsi.cli import main, split_globals
+from pepsi.commands import dispatch_cmd
 from pepsi.db.queries import parse_named
 
 CONF = """
@@ -228,3 +230,14 @@ def test_help_lists_every_command_without_importing_them(
     out = capsys.readouterr().out
     for command in ("setup", "dispatch", "ingress", "failure-bouncer", "queue", "top", "worker"):
         assert command in out
+
+
+def test_the_dispatcher_tunes_its_garbage_collector() -> None:
+    before = gc.get_threshold()
+    try:
+        dispatch_cmd.tune_garbage_collector()
+        assert gc.get_threshold() == dispatch_cmd.GC_THRESHOLDS
+        assert gc.get_freeze_count() > 0  # what was loaded is out of later collections
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import TYPE_CHECKING
+import gc
+from typing import TYPE_CHECKING, Final
 
 from pepsi.commands import summary
 from pepsi.db import connect
@@ -13,6 +14,10 @@ from pepsi.dispatch.coordinator import Dispatcher
 
 if TYPE_CHECKING:
     from pepsi.commands import Context
+
+# Young collections every 10 000 allocations instead of CPython's 700: a message's objects
+# (frames, rows, read-ahead) mostly die within a batch, before a collection sees them.
+GC_THRESHOLDS: Final = (10_000, 10, 10)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -39,4 +44,16 @@ def run_serve(args: argparse.Namespace, ctx: Context) -> int:
     target = connect.resolve(config)
     # the file again with the database overlay: the table a reload would build
     config = reload.load(config.path, target.dsn, config.postgres.connect_timeout)
+    tune_garbage_collector()
     return asyncio.run(Dispatcher(config, target.dsn).serve())
+
+
+def tune_garbage_collector() -> None:
+    """For a long-running dispatcher: what is loaded by now (modules, configuration)
+    lives as long as the process, so it is frozen out of every later collection, and
+    young collections are rarer. Measured on the AMQP benchmark in alternating rounds:
+    the dispatcher's CPU per message about 10 % lower publishing, 7 % consuming
+    (docs/performance.md)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
