@@ -228,6 +228,8 @@ _TRAFFIC = st.sampled_from(
         _publish_wire(2, b"", pika.spec.BasicProperties(headers={"k": [1, "v"]})),
         _publish_wire(2, b"z" * 4000, pika.spec.BasicProperties()),  # over MAX_MESSAGE
         pika.frame.Method(1, pika.spec.Basic.Ack(7)).marshal(),
+        pika.frame.Method(2, pika.spec.Basic.Ack(2**63 + 5, multiple=True)).marshal(),
+        pika.frame.Method(3, pika.spec.Basic.Ack(1)).marshal(),  # a channel not open
         pika.frame.Heartbeat().marshal(),
         pika.frame.Body(1, b"stray").marshal(),
     ]
@@ -246,7 +248,7 @@ def _read(data: bytes, cuts: list[int], *, whole: bool) -> list[tuple[Any, ...]]
     reader = framing.FrameReader(1024, expect_protocol_header=False)
     assemblers = {n: framing.ContentAssembler(n, max_message_size=MAX_MESSAGE) for n in (1, 2)}
 
-    def accept(channel: int, body_size: int) -> bool:
+    def accept(channel: int, body_size: int = 0) -> bool:
         assembler = assemblers.get(channel)
         return assembler is not None and assembler.idle and body_size <= MAX_MESSAGE
 
@@ -260,6 +262,10 @@ def _read(data: bytes, cuts: list[int], *, whole: bool) -> list[tuple[Any, ...]]
                 if content is not None:
                     out.append(_content(content))
                     continue
+                ack = reader.take_ack(accept) if whole else None
+                if ack is not None:
+                    out.append(("ack", *ack))
+                    continue
                 frame = reader.next_frame()
                 if frame is None:
                     break
@@ -272,6 +278,10 @@ def _read(data: bytes, cuts: list[int], *, whole: bool) -> list[tuple[Any, ...]]
                     result = assemblers[frame.channel].feed(frame)
                     if isinstance(result, framing.Content):
                         out.append(_content(result))
+                    elif result is not None and isinstance(result.method, commands.Basic.Ack):
+                        ack_method = result.method
+                        out.append(("ack", frame.channel, ack_method.delivery_tag,
+                                    ack_method.multiple))  # fmt: skip
                     elif result is not None:
                         out.append(("method", frame.channel, type(result.method)))
                 else:

@@ -339,6 +339,10 @@ class ChannelHandler:
     async def basic_publish(self, content: framing.Content) -> None:
         raise not_implemented(content.method)
 
+    def ack_now(self, tag: int, multiple: bool) -> None:
+        """basic.ack without a coroutine (a consumer's hot path): as `basic_ack`."""
+        raise not_implemented(framing.ack_method(tag, multiple))
+
     def publish_now(self, content: framing.Content) -> bool:
         """Handle a publish without awaiting, if possible; False (before doing anything)
         sends it to `basic_publish`. A fast path only: the default always declines."""
@@ -680,20 +684,18 @@ class Connection(asyncio.Protocol):
                     if self._write_paused:
                         await self._writable.wait()
                         continue
-                    # A whole publish is taken at once and, mostly, handled without
-                    # a coroutine; anything else goes frame by frame.
-                    content = (
-                        self._reader.take_publish(self._takes_publish)
-                        if self.state is State.OPEN
-                        else None
-                    )
-                    if content is None:
-                        going = await self._next()
-                    else:
-                        try:
-                            going = self._publish_now(content) or await self._publish(content)
-                        except Exception as error:  # noqa: BLE001  # as _next answers it
-                            going = await self._publish_failed(content, error)
+                    # A whole publish, or an ack, is taken at once and, mostly, handled
+                    # without a coroutine; anything else goes frame by frame (_next).
+                    taken = self._take_fast()
+                    try:
+                        if taken is None:
+                            going = await self._next()
+                        elif isinstance(taken, tuple):
+                            going = self._ack_now(*taken)
+                        else:
+                            going = self._publish_now(taken) or await self._publish(taken)
+                    except Exception as error:  # noqa: BLE001  # as _next answers it
+                        going = await self._fast_failed(taken, error)
                     if not going:
                         break
                     if clock() > turn_ends:
@@ -712,6 +714,14 @@ class Connection(asyncio.Protocol):
             await self._close_all_channels()
             self._gone_cb(self)
 
+    def _take_fast(self) -> framing.Content | tuple[int, int, bool] | None:
+        """A whole publish, or an ack as (channel, tag, multiple), when the next frames
+        are one on a channel that expects it; None: nothing taken."""
+        if self.state is not State.OPEN:
+            return None
+        reader = self._reader
+        return reader.take_publish(self._takes_publish) or reader.take_ack(self._takes_ack)
+
     def _publish_now(self, content: framing.Content) -> bool:
         handler = self.channels[content.channel].handler
         assert handler is not None  # checked by _takes_publish
@@ -722,11 +732,30 @@ class Connection(asyncio.Protocol):
         await self._channel_result(self.channels[content.channel], content)
         return True
 
-    async def _publish_failed(self, content: framing.Content, error: Exception) -> bool:
-        if isinstance(error, replies.ChannelError):
-            await self._answer(close_for(error, content.channel))
+    def _ack_now(self, number: int, tag: int, multiple: bool) -> bool:
+        handler = self.channels[number].handler
+        assert handler is not None  # checked by _takes_ack
+        handler.ack_now(tag, multiple)
+        return True
+
+    async def _fast_failed(
+        self, taken: framing.Content | tuple[int, int, bool] | None, error: Exception
+    ) -> bool:
+        """Answer what handling a publish or an ack raised, as `_next` would."""
+        if isinstance(error, replies.ChannelError) and taken is not None:
+            number = taken[0] if isinstance(taken, tuple) else taken.channel
+            await self._answer(close_for(error, number))
             return True
         return await self._frame_failed(error)
+
+    def _takes_ack(self, number: int) -> bool:
+        channel = self.channels.get(number)
+        return (
+            channel is not None
+            and not channel.closing
+            and channel.handler is not None
+            and channel.assembler.idle
+        )
 
     def _takes_publish(self, number: int, body_size: int) -> bool:
         channel = self.channels.get(number)

@@ -237,7 +237,10 @@ class ConsumingChannel(ChannelHandler):
     # ---- outcomes ------------------------------------------------------------------------
 
     async def basic_ack(self, method: commands.Basic.Ack) -> None:
-        deliveries = self._take(int(method.delivery_tag), bool(method.multiple), type(method))
+        self.ack_now(int(method.delivery_tag), bool(method.multiple))
+
+    def ack_now(self, tag: int, multiple: bool) -> None:
+        deliveries = self._take(tag, multiple, commands.Basic.Ack)
         deliverer = self.broker.deliverer
         deliverer.ack(deliveries)
         deliverer.credit_freed(self.book)

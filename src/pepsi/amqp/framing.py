@@ -514,10 +514,18 @@ _ACK = struct.Struct(">IQB")  # class and method ids, delivery-tag, the multiple
 def _fast_ack(payload: bytes) -> commands.Basic.Ack:
     """basic.ack (one per message a consumer settles) off its fixed 13-octet layout."""
     _, tag, bits = _ACK.unpack(payload)
+    return ack_method(tag, bool(bits & 1))
+
+
+def ack_method(tag: int, multiple: bool) -> commands.Basic.Ack:
     method = commands.Basic.Ack.__new__(commands.Basic.Ack)  # no defaults, no validate
     method.delivery_tag = tag
-    method.multiple = bool(bits & 1)
+    method.multiple = multiple
     return method
+
+
+# A whole basic.ack frame: type, channel, size, class and method ids, tag, bits, frame end.
+_ACK_FRAME: Final = struct.Struct(">BHIIQBB")
 
 
 def _decode_method(channel: int, payload: bytes) -> MethodFrame:
@@ -700,6 +708,27 @@ class FrameReader:
         self._pos = pos
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         return Content(channel, method, RawContentHeader(channel, body_size, raw), body)
+
+    def take_ack(self, accept: Callable[[int], bool]) -> tuple[int, int, bool] | None:
+        """A basic.ack frame at once (a consumer's hot path): (channel, delivery tag,
+        multiple), if it is whole and well formed and `accept(channel)` agrees; else
+        None, nothing consumed, and `next_frame` reads it with its errors."""
+        if self._need_header or self._failed is not None:
+            return None
+        buf, pos = self._buf, self._pos
+        if len(buf) - pos < _ACK_FRAME.size:
+            return None
+        kind, channel, size, index, tag, bits, end = _ACK_FRAME.unpack_from(buf, pos)
+        if (
+            kind != FRAME_METHOD
+            or size != _ACK.size
+            or index != _ACK_INDEX
+            or end != FRAME_END
+            or not accept(channel)
+        ):
+            return None
+        self._pos = pos + _ACK_FRAME.size
+        return channel, tag, bool(bits & 1)
 
     def _frame_end(self, pos: int, frame_type: int, channel: int) -> int:
         """Where the frame at `pos` ends (its frame-end octet) if it is whole, of
