@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from pepsi.amqp import publisher
+from pepsi.amqp import arrays, publisher
 from pepsi.config import Config, load_config
 from pepsi.publishing import InvalidMessage, OutgoingMessage, Publisher, Rejected, batch
 from pepsi.publishing.message import Row
@@ -155,6 +155,17 @@ def test_amqp_batch_writes_what_the_general_path_writes(conn: Conn) -> None:
     assert len(lean) == len(slow) == 4
     got = rows(conn, lean)
     assert got == rows(conn, slow)
+    # as the batcher sends them: columns of one repeated value packed (pepsi.amqp.arrays)
+    arrays.register(conn)
+    for model, count in ((amqp_rows[0], 8), (amqp_rows[2], 9)):  # all set; mostly NULL
+        same = [model._replace(body=b"same")] * 3
+        same_params = publisher.lean_params(same)
+        assert same_params is not None
+        packed = arrays.pack_columns(same_params, keep=9)
+        assert sum(isinstance(c, arrays.PackedText | arrays.PackedBytea) for c in packed) == count
+        assert rows(conn, written(publisher.LEAN_SQL, packed)) == rows(
+            conn, written(publisher.LEAN_SQL, same_params)
+        )
     assert [r[0] for r in got] == ["inbound", "other", "inbound", "other"]  # as given
     assert [r[14] for r in got] == ["user:alice", "ip:2001:db8:1:2::/64", "null:", "user:bob"]
     assert [r[-3:] for r in got] == [

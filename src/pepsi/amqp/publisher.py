@@ -35,6 +35,7 @@ from typing import Any, Final
 
 import psycopg
 
+from pepsi.amqp import arrays
 from pepsi.db.backoff import Backoff
 from pepsi.db.connect import connect_async
 from pepsi.db.queries import query_text
@@ -57,6 +58,7 @@ _LEAN_FIELDS: Final = tuple(Row._fields.index(name) for name in (
     "stage", "message_id", "origin_user", "origin_peer", "content_type", "correlation_id",
     "properties", "expires", "header", "body",
 ))  # fmt: skip
+_LEAN_BODIES: Final = len(_LEAN_FIELDS) - 1  # the bodies: never packed (see arrays)
 _DEDUP: Final = Row._fields.index("dedup")
 _ENVELOPE_FIELDS: Final = tuple(
     Row._fields.index(name) for name in ("sender", "recipients", "header_from", "subject")
@@ -398,6 +400,7 @@ class Batcher:
             self._conn = await connect_async(
                 self.dsn, application_name=APPLICATION_NAME, timeout=self.connect_timeout
             )
+            arrays.register(self._conn)
         conn = self._conn
         free, free_limits, guarded = split(items)
         if not guarded:
@@ -405,7 +408,7 @@ class Batcher:
             # round trip per batch instead of BEGIN, the call and COMMIT.
             lean = None if free_limits else lean_params(free)
             if lean is not None:
-                await conn.execute(LEAN_SQL, lean)
+                await conn.execute(LEAN_SQL, arrays.pack_columns(lean, keep=_LEAN_BODIES))
             else:
                 await conn.execute(PUBLISH_SQL, _call_params(free, free_limits))
             return
