@@ -5,7 +5,9 @@ The layers, from the socket up:
 - `Connection` (an `asyncio.Protocol`: no stream copies, and the transport's own
   flow-control callbacks bound both buffers) feeds received bytes to a
   `framing.FrameReader` and wakes one task per connection, which takes the
-  complete frames in order and awaits their handling. Input is bounded: reading
+  complete frames in order and awaits their handling (a whole basic.publish or
+  basic.ack at once, and without a coroutine when its handler can: the hot
+  paths). Input is bounded: reading
   pauses while more than `INPUT_BUFFER_FRAMES` frames' worth of bytes wait, and
   while the transport's write buffer is over `write_high_water` (a client that
   does not read its socket stops being read; if that lasts `write_stall_timeout`

@@ -8,7 +8,8 @@ writes it in **one transaction** (one NOTIFY, synchronous commit), then reports
 each unit's outcome. Publishes that arrive while a commit runs form the next
 one: grouping grows with load and costs nothing when idle. Without a length
 limit in the batch, the transaction is one statement of `pepsi.amqp_publish`
-(only the columns a publish fills; one round trip); with one, it is
+(only the columns a publish fills; one round trip; a column that repeats
+one value goes packed, see `pepsi.amqp.arrays`); with one, it is
 `pepsi.workqueue_publish`, the function `Publisher` uses, which enforces them.
 
 Queue limits are the publish function's (R-3): the stages of drop-head queues
