@@ -722,7 +722,7 @@ class Connection(asyncio.Protocol):
         if self.state is not State.OPEN:
             return None
         reader = self._reader
-        return reader.take_publish(self._takes_publish) or reader.take_ack(self._takes_ack)
+        return reader.take_publish(self._takes_publish) or reader.take_ack(self._expects_method)
 
     def _publish_now(self, content: framing.Content) -> bool:
         handler = self.channels[content.channel].handler
@@ -736,7 +736,7 @@ class Connection(asyncio.Protocol):
 
     def _ack_now(self, number: int, tag: int, multiple: bool) -> bool:
         handler = self.channels[number].handler
-        assert handler is not None  # checked by _takes_ack
+        assert handler is not None  # checked by _expects_method
         handler.ack_now(tag, multiple)
         return True
 
@@ -750,7 +750,8 @@ class Connection(asyncio.Protocol):
             return True
         return await self._frame_failed(error)
 
-    def _takes_ack(self, number: int) -> bool:
+    def _expects_method(self, number: int) -> bool:
+        """Whether channel `number` is open, with a handler, and between contents."""
         channel = self.channels.get(number)
         return (
             channel is not None
@@ -760,13 +761,9 @@ class Connection(asyncio.Protocol):
         )
 
     def _takes_publish(self, number: int, body_size: int) -> bool:
-        channel = self.channels.get(number)
         return (
-            channel is not None
-            and not channel.closing
-            and channel.handler is not None
-            and channel.assembler.idle
-            and body_size <= channel.assembler.max_message_size
+            self._expects_method(number)
+            and body_size <= self.channels[number].assembler.max_message_size
         )
 
     async def _next(self) -> bool:
