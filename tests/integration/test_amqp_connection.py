@@ -527,27 +527,58 @@ def test_a_client_that_never_reads_is_dropped(
         # a few thousand answers, so its own write buffer passes the high-water mark
         # however slowly a loaded machine lets it answer.
         client = Raw(server.port, receive_buffer=4096)
-        client.handshake()
-        client.method(1, commands.Channel.Open())
-        client.expect(commands.Channel.OpenOk)
-        # each request gets an answer the client never reads
-        flood = framing.encode_method(1, framing.build_method(commands.Channel.Flow, active=True))
-        chunk = flood * 4096
-        client.sock.settimeout(0.2)
-        deadline = time.monotonic() + 20
-        while server.connections() and time.monotonic() < deadline:
-            try:
-                client.sock.send(chunk)
-            except TimeoutError:
-                pass  # the server stopped reading us: its stall timer runs
-            except OSError:
-                break  # reset: dropped
-        wait_until(lambda: server.connections() == 0, what="the stalled client to be dropped")
+        try:
+            client.handshake()
+            client.method(1, commands.Channel.Open())
+            client.expect(commands.Channel.OpenOk)
+            # Each request gets an answer the client never reads.
+            flood = framing.encode_method(
+                1, framing.build_method(commands.Channel.Flow, active=True)
+            )
+            client.sock.settimeout(0.2)
+            unsent = b""
+            deadline = time.monotonic() + 20
+            while server.connections() and time.monotonic() < deadline:
+                # What a send leaves unsent goes first next time: a frame cut short
+                # would be a frame error, and the server would close the connection
+                # (waiting for a close-ok) instead of dropping a stalled client.
+                unsent = unsent or flood * 4096
+                try:
+                    unsent = unsent[client.sock.send(unsent) :]
+                except TimeoutError:
+                    pass  # the server stopped reading us: its stall timer runs
+                except OSError:
+                    break  # reset: dropped
+            wait_until(lambda: server.connections() == 0, what="the stalled client to be dropped")
+        finally:
+            client.close()  # also when the wait fails: no unclosed socket for a later test
         assert "the client has not read for 1s" in caplog.text
-        client.close()
         fresh = Raw(server.port)
         fresh.handshake()
         fresh.close()
+    finally:
+        server.close()
+
+
+def test_a_closed_connection_whose_client_reads_nothing_is_dropped(dsn: str, users: Any) -> None:
+    """Closing waits for the answers already buffered to go out; a client that reads
+    none of them is dropped after close_timeout instead of holding the socket forever."""
+    options = ConnectionOptions(write_high_water=64 * 1024 * 1024, close_timeout=1.0)
+    server = Listener(dsn, options)
+    try:
+        client = Raw(server.port, receive_buffer=4096)
+        try:
+            client.handshake()
+            client.method(1, commands.Channel.Open())
+            client.expect(commands.Channel.OpenOk)
+            flood = framing.encode_method(
+                1, framing.build_method(commands.Channel.Flow, active=True)
+            )
+            client.send(flood * 500_000)  # 6.5 MB of answers: more than the sockets hold
+            client.send(b"\x01\x00\x01\x00\x00\x00\x00\x00")  # no frame end (0xce): fatal
+            wait_until(lambda: server.connections() == 0, what="the connection to be dropped")
+        finally:
+            client.close()
     finally:
         server.close()
 

@@ -662,7 +662,9 @@ class Connection(asyncio.Protocol):
 
     def _close_transport(self) -> None:
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.close()  # after what is buffered
+            self._transport.close()  # after what is buffered ...
+            # ... which a client that reads nothing never lets happen: drop it then
+            self._timer("flush", self.options.close_timeout, self._abort)
 
     def _abort(self) -> None:
         if self._transport is not None:
