@@ -517,24 +517,33 @@ def test_a_message_over_max_message_size_closes_its_channel_with_406(dsn: str, u
         server.close()
 
 
+# A request whose answer (flow-ok) a non-reading client leaves in the server's buffers.
+FLOOD = framing.encode_method(1, framing.build_method(commands.Channel.Flow, active=True))
+
+
+def non_reading_client(port: int) -> Raw:
+    """A client with channel 1 open that will read nothing more. Its small window, set
+    before connecting, makes the server's kernel buffers fill after a few thousand
+    answers, however slowly a loaded machine lets the server answer."""
+    client = Raw(port, receive_buffer=4096)
+    try:
+        client.handshake()
+        client.method(1, commands.Channel.Open())
+        client.expect(commands.Channel.OpenOk)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
 def test_a_client_that_never_reads_is_dropped(
     dsn: str, users: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     options = ConnectionOptions(write_high_water=4096, write_stall_timeout=1.0)
     server = Listener(dsn, options)
     try:
-        # A small window set before connecting: the server's kernel buffers fill after
-        # a few thousand answers, so its own write buffer passes the high-water mark
-        # however slowly a loaded machine lets it answer.
-        client = Raw(server.port, receive_buffer=4096)
+        client = non_reading_client(server.port)
         try:
-            client.handshake()
-            client.method(1, commands.Channel.Open())
-            client.expect(commands.Channel.OpenOk)
-            # Each request gets an answer the client never reads.
-            flood = framing.encode_method(
-                1, framing.build_method(commands.Channel.Flow, active=True)
-            )
             client.sock.settimeout(0.2)
             unsent = b""
             deadline = time.monotonic() + 20
@@ -542,7 +551,7 @@ def test_a_client_that_never_reads_is_dropped(
                 # What a send leaves unsent goes first next time: a frame cut short
                 # would be a frame error, and the server would close the connection
                 # (waiting for a close-ok) instead of dropping a stalled client.
-                unsent = unsent or flood * 4096
+                unsent = unsent or FLOOD * 4096
                 try:
                     unsent = unsent[client.sock.send(unsent) :]
                 except TimeoutError:
@@ -566,15 +575,10 @@ def test_a_closed_connection_whose_client_reads_nothing_is_dropped(dsn: str, use
     options = ConnectionOptions(write_high_water=64 * 1024 * 1024, close_timeout=1.0)
     server = Listener(dsn, options)
     try:
-        client = Raw(server.port, receive_buffer=4096)
+        client = non_reading_client(server.port)
         try:
-            client.handshake()
-            client.method(1, commands.Channel.Open())
-            client.expect(commands.Channel.OpenOk)
-            flood = framing.encode_method(
-                1, framing.build_method(commands.Channel.Flow, active=True)
-            )
-            client.send(flood * 500_000)  # 6.5 MB of answers: more than the sockets hold
+            client.sock.settimeout(60)  # the server reads 6.5 MB: slowly on a loaded machine
+            client.send(FLOOD * 500_000)  # 6.5 MB of answers: more than the sockets hold
             client.send(b"\x01\x00\x01\x00\x00\x00\x00\x00")  # no frame end (0xce): fatal
             wait_until(lambda: server.connections() == 0, what="the connection to be dropped")
         finally:
