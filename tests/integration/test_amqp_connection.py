@@ -66,10 +66,8 @@ def params(listener: Listener, **kw: Any) -> pika.ConnectionParameters:
 class Raw:
     """A socket speaking frames, for what real clients do not send."""
 
-    def __init__(self, port: int, receive_buffer: int | None = None) -> None:
+    def __init__(self, port: int) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        if receive_buffer is not None:  # before connect: it sets the advertised window
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
         self.sock.settimeout(10)
         self.sock.connect(("127.0.0.1", port))
         self.reader = framing.FrameReader(0, expect_protocol_header=False)
@@ -521,15 +519,28 @@ def test_a_message_over_max_message_size_closes_its_channel_with_406(dsn: str, u
 FLOOD = framing.encode_method(1, framing.build_method(commands.Channel.Flow, active=True))
 
 
-def non_reading_client(port: int) -> Raw:
-    """A client with channel 1 open that will read nothing more. Its small window, set
-    before connecting, makes the server's kernel buffers fill after a few thousand
-    answers, however slowly a loaded machine lets the server answer."""
-    client = Raw(port, receive_buffer=4096)
+def non_reading_client(server: Listener) -> Raw:
+    """A client with channel 1 open that will read nothing more.
+
+    The server's end of its socket gets a small send buffer, so the kernel's buffers fill
+    after a few thousand answers however slowly a loaded machine lets the server answer.
+    (Not a small receive buffer on the client's end: with a window smaller than one
+    loopback segment, TCP can drop segments carrying acks and sit in retransmission
+    backoff for tens of seconds, reading nothing and sending nothing.)
+    """
+    client = Raw(server.port)
     try:
         client.handshake()
         client.method(1, commands.Channel.Open())
         client.expect(commands.Channel.OpenOk)
+
+        def shrink_send_buffers() -> None:
+            for conn in server.server.connections:
+                assert conn._transport is not None
+                sock = conn._transport.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+
+        server.run(shrink_send_buffers)
     except BaseException:
         client.close()
         raise
@@ -542,7 +553,7 @@ def test_a_client_that_never_reads_is_dropped(
     options = ConnectionOptions(write_high_water=4096, write_stall_timeout=1.0)
     server = Listener(dsn, options)
     try:
-        client = non_reading_client(server.port)
+        client = non_reading_client(server)
         try:
             client.sock.settimeout(0.2)
             unsent = b""
@@ -575,7 +586,7 @@ def test_a_closed_connection_whose_client_reads_nothing_is_dropped(dsn: str, use
     options = ConnectionOptions(write_high_water=64 * 1024 * 1024, close_timeout=1.0)
     server = Listener(dsn, options)
     try:
-        client = non_reading_client(server.port)
+        client = non_reading_client(server)
         try:
             client.sock.settimeout(60)  # the server reads 6.5 MB: slowly on a loaded machine
             client.send(FLOOD * 500_000)  # 6.5 MB of answers: more than the sockets hold
