@@ -8,7 +8,7 @@ import asyncio
 from collections import deque
 
 from pepsi.amqp.consumers import READ_AHEAD_MIN, ChannelBook, Consumer, Delivery
-from pepsi.amqp.delivery import Deliverer, Fetched
+from pepsi.amqp.delivery import LOAD_STEP, Deliverer, Fetched
 
 STAGE = "amqp:/:q"
 
@@ -92,3 +92,36 @@ def test_deliveries_are_recorded_for_the_acks() -> None:
         1: Delivery(7, STAGE, "c", 0),
         2: Delivery(8, STAGE, "c", 0),
     }
+
+
+def test_a_large_load_goes_out_in_steps_and_every_id_stays_held() -> None:
+    """A claim's rows reach the read-ahead (and the consumers) LOAD_STEP at a time, the
+    loop running in between (acks are read there); an id not loaded yet is still held,
+    so a reset of orphaned rows meanwhile cannot give it to anyone else."""
+    deliverer, _, _, consumer = deliverer_with_consumer(prefetch=1000)
+    deliverer.books.add(consumer.book)
+    n = 4 * LOAD_STEP + 3
+    ids = range(1, n + 1)
+    claimed = [(wid, STAGE, 0) for wid in ids]
+    # rows as amqp_delivery_load returns them: id, exchange, routing key, delivery count,
+    # redelivered, x-death, first death, expires, header, body, pipeline properties
+    rows = {wid: (wid, "", "q", 0, False, None, None, None, None, b"b", None) for wid in ids}
+    deliverer._loading[STAGE] = n
+    delivered_between_steps: list[int] = []
+
+    async def load() -> None:
+        async def watch() -> None:
+            while len(consumer.book.unacked) < n:
+                assert sorted(deliverer.held()) == list(ids)
+                delivered_between_steps.append(len(consumer.book.unacked))
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
+        await deliverer._load_in_steps(claimed, rows)
+        await watcher
+
+    asyncio.run(load())
+    assert delivered_between_steps == [LOAD_STEP, 2 * LOAD_STEP, 3 * LOAD_STEP, 4 * LOAD_STEP]
+    assert [d.wid for d in consumer.book.unacked.values()] == list(ids)  # in order
+    assert sorted(deliverer.held()) == list(ids)  # delivered, not acked
+    assert STAGE not in deliverer._loading
