@@ -263,6 +263,25 @@ def test_two_consumers_take_turns_and_a_cancel_keeps_unacked_deliveries(
     assert second[1][2] == b"3"
 
 
+def test_a_message_count_of_zero_means_every_message_was_sent(
+    amqp: Callable[[], pika.BlockingConnection],
+) -> None:
+    """Rows claimed for a consumer and still being loaded count as ready: once a passive
+    declare says 0, the messages are on their way, and a cancel hands them back (as
+    pika's acceptance test of a cancelled no-ack consumer expects)."""
+    connection = amqp()
+    channel = connection.channel()
+    channel.queue_declare("sent")
+    publish(channel, "sent", [b"a" * 1024, b"b" * 2048])
+    tag = channel.basic_consume("sent", lambda *a: None, auto_ack=True)
+    wait_until(
+        lambda: channel.queue_declare("sent", passive=True).method.message_count == 0,
+        what="no message left ready",
+    )
+    returned = channel.basic_cancel(tag)  # what pika received and did not dispatch yet
+    assert [body for _, _, body in returned] == [b"a" * 1024, b"b" * 2048]
+
+
 def test_exclusive_consumer_and_if_unused_delete(
     amqp: Callable[[], pika.BlockingConnection],
 ) -> None:

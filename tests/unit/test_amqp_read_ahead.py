@@ -125,3 +125,13 @@ def test_a_large_load_goes_out_in_steps_and_every_id_stays_held() -> None:
     assert [d.wid for d in consumer.book.unacked.values()] == list(ids)  # in order
     assert sorted(deliverer.held()) == list(ids)  # delivered, not acked
     assert STAGE not in deliverer._loading
+
+
+def test_rows_still_loading_count_as_ready() -> None:
+    """`message_count` counts what consumers have not been sent: the read-ahead and the
+    rows claimed for them whose load has not come back yet."""
+    deliverer, *_ = deliverer_with_consumer()
+    read_ahead(deliverer, 1, 3)
+    deliverer._loading[STAGE] = 5  # claimed (running in SQL), being loaded
+    assert deliverer.ready_count(STAGE) == 8
+    assert deliverer.ready_count("amqp:/:other") == 0

@@ -542,7 +542,7 @@ class BrokerChannel(ConsumingChannel):
                 stage = view.queues[queue].stage
                 deliverer = self.broker.deliverer
                 consumers = deliverer.registry.count(stage)
-                count += len(deliverer.ready.get(stage, ()))  # read ahead: still ready
+                count += deliverer.ready_count(stage)  # read ahead or loading: still ready
             self._reply(
                 framing.build_method(
                     commands.Queue.DeclareOk,
@@ -654,7 +654,7 @@ class BrokerChannel(ConsumingChannel):
                         PRECONDITION_FAILED, f"{resource('queue', name, self.vhost)} in use"
                     )
                 if method.if_empty and (
-                    self.broker.deliverer.ready.get(queue.stage)  # read ahead: ready too
+                    self.broker.deliverer.ready_count(queue.stage)  # read ahead: ready too
                     or await self.catalogue.message_count(queue.stage)
                 ):
                     raise ChannelError(

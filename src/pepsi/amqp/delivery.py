@@ -423,6 +423,12 @@ class Deliverer:
         for stage in stages:
             self.pump(stage)
 
+    def ready_count(self, stage: str) -> int:
+        """The stage's messages that are ready to AMQP though claimed: read ahead, or
+        claimed for its consumers and still being loaded (`running` in SQL, and no client
+        has them: `message_count` counts them, so that a count of 0 means sent)."""
+        return len(self.ready.get(stage, ())) + self._loading.get(stage, 0)
+
     def take_ready(self, stage: str) -> Fetched | None:
         """basic.get on a consumed queue: the head of its read-ahead, if any."""
         ready = self.ready.get(stage)
@@ -521,7 +527,7 @@ class Deliverer:
             conn = await self._connection("fetch")
             cur = await conn.execute(query("amqp_queue_message_count"), {"stage": stage})
             row = await cur.fetchone()
-            return ahead, (int(row[0]) if row else 0) + len(self.ready.get(stage, ()))
+            return ahead, (int(row[0]) if row else 0) + self.ready_count(stage)
         while True:
             conn = await self._connection("fetch")
             try:
@@ -537,7 +543,7 @@ class Deliverer:
                 return None
             fetched = fetched_row(row, queue.name, _quorum(queue))
             if not fetched.expired(self.clock()):
-                return fetched, max(int(row[11]), 0) + len(self.ready.get(stage, ()))
+                return fetched, max(int(row[11]), 0) + self.ready_count(stage)
             self._outcomes.dead.append((queue.stage, fetched.wid, "expired"))
             self._settle_soon()
 
