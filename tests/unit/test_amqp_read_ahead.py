@@ -135,3 +135,20 @@ def test_rows_still_loading_count_as_ready() -> None:
     deliverer._loading[STAGE] = 5  # claimed (running in SQL), being loaded
     assert deliverer.ready_count(STAGE) == 8
     assert deliverer.ready_count("amqp:/:other") == 0
+
+
+def test_rows_loading_when_the_queue_is_purged_are_deleted_not_delivered() -> None:
+    deliverer, *_ = deliverer_with_consumer()
+    before = [(1, STAGE, 0), (2, STAGE, 0)]  # claimed, their load running
+    deliverer._loading[STAGE] = 2
+    assert deliverer.purge_loading(STAGE) == 2  # purge-ok counts them
+    assert deliverer.purge_loading("amqp:/:other") == 0
+    after = [(3, STAGE, deliverer._epoch[STAGE])]  # claimed after the purge
+    deliverer._loading[STAGE] += 1
+    rows = {wid: (wid, "", "q", 0, False, None, None, None, None, b"b", None) for wid in (1, 2, 3)}
+    # the outcomes stay in memory: this test starts no task writing them to a database
+    deliverer._settle_soon = lambda: None  # type: ignore[method-assign]
+    deliverer._load(before + after, rows)
+    assert deliverer._outcomes.acked == [(STAGE, 1), (STAGE, 2)]  # deleted by the settle
+    assert [f.wid for f in deliverer.ready[STAGE]] == [3]
+    assert deliverer._outcomes.unsent == []

@@ -633,7 +633,8 @@ class BrokerChannel(ConsumingChannel):
             await self.in_order()
             ahead = deliverer.drop_ready(queue.stage)  # read ahead: ready messages too
             deliverer.ack(Delivery(wid, queue.stage, None, 0) for wid in ahead)
-            count = await self.catalogue.purge_queue(queue.stage) + len(ahead)
+            loading = deliverer.purge_loading(queue.stage)  # ... and those being loaded
+            count = await self.catalogue.purge_queue(queue.stage) + len(ahead) + loading
         if not method.nowait:
             self._reply(framing.build_method(commands.Queue.PurgeOk, message_count=count))
 

@@ -286,6 +286,8 @@ class Deliverer:
         # returns not written yet, and a count of returns (a claim's epoch).
         self._returning: dict[str, int] = {}
         self._epoch: dict[str, int] = {}
+        # Per stage: rows claimed before this epoch were purged while their load ran.
+        self._purged: dict[str, int] = {}
         self._loading: dict[str, int] = {}  # per stage: claimed, not in `ready` yet
         self._outcomes = Outcomes()
         self._barriers: list[asyncio.Future[None]] = []  # flush() callers
@@ -449,6 +451,15 @@ class Deliverer:
         ready = self.ready.pop(stage, None) or deque()
         self._ready_bytes.pop(stage, None)
         return [f.wid for f in ready]
+
+    def purge_loading(self, stage: str) -> int:
+        """queue.purge: rows claimed for the stage's consumers whose load has not come
+        back are ready messages too (`ready_count`): deleted when it does. How many."""
+        count = self._loading.get(stage, 0)
+        if count:
+            epoch = self._epoch.get(stage, 0) + 1
+            self._epoch[stage] = self._purged[stage] = epoch
+        return count
 
     def _unready(self, stage: str) -> None:
         """No consumer left: the read-ahead goes back to pending as it was."""
@@ -656,8 +667,12 @@ class Deliverer:
             if row is None:  # purged or deleted with its queue meanwhile
                 gone.setdefault(stage, []).append(wid)
                 continue
-            if epoch != self._epoch.get(stage, 0):  # older messages went back meanwhile
-                self.unsent(stage, [wid])
+            if epoch != self._epoch.get(stage, 0):
+                if epoch < self._purged.get(stage, 0):  # purged while it was loading
+                    self._outcomes.acked.append((stage, wid))
+                    self._settle_soon()
+                else:  # older messages went back meanwhile: after them
+                    self.unsent(stage, [wid])
                 continue
             queue = self.queues.get(stage)
             fetched = fetched_row(row, queue.name if queue else stage, _quorum(queue))
