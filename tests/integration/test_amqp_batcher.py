@@ -31,3 +31,34 @@ def test_close_commits_what_is_queued_then_refuses(dsn: str) -> None:
     assert isinstance(second, RuntimeError)
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert rows_in(conn) == 1
+
+
+def test_a_commit_wakes_the_dispatcher_in_process_not_through_notify(dsn: str) -> None:
+    """The batcher runs in the dispatcher's process: after each commit it calls
+    `on_committed` (the dispatcher's wake), and pepsi.amqp_publish sends no NOTIFY
+    (migration 0017). A publish from outside still notifies."""
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        heard: list[str] = []
+        listener.add_notify_handler(lambda n: heard.append(n.channel))
+        listener.execute("LISTEN workqueue")
+
+        async def scenario() -> tuple[BaseException | None, int]:
+            batcher = Batcher(dsn, 5.0)
+            woken: list[int] = []
+            batcher.on_committed = lambda: woken.append(1)
+            done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+            row = Row._make(("amqp:/:q", "m", *(None,) * 13))
+            batcher.submit(Unit([Item([row])], lambda _items, error: done.set_result(error)))
+            error = await done
+            await batcher.close()
+            return error, len(woken)
+
+        assert asyncio.run(scenario()) == (None, 1)
+        # A notification sent by that commit would reach this session with its next
+        # statement's answer (the commit signalled it before it returned).
+        listener.execute("SELECT 1")
+        assert heard == []
+        assert rows_in(listener) == 1
+        listener.execute("SELECT pepsi.workqueue_publish_one('s', NULL, 'b'::bytea)")
+        listener.execute("SELECT 1")
+        assert heard == ["workqueue"]  # the listener does hear notifications

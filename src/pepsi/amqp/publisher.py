@@ -4,9 +4,11 @@ Every `basic.publish` of every channel of every connection is handed to one
 `Batcher` as a `Unit` (one publish, or a channel's whole transaction at
 tx.commit). One task with its own database connection (application name
 `pepsi-amqp-publish`) takes everything submitted since its last commit and
-writes it in **one transaction** (one NOTIFY, synchronous commit), then reports
-each unit's outcome. Publishes that arrive while a commit runs form the next
-one: grouping grows with load and costs nothing when idle. Without a length
+writes it in **one transaction** (synchronous commit), then reports each
+unit's outcome and calls `on_committed`: the dispatcher, in the same process,
+wakes to claim the new rows (no NOTIFY goes through PostgreSQL for them).
+Publishes that arrive while a commit runs form the next one: grouping grows
+with load and costs nothing when idle. Without a length
 limit in the batch, the transaction is one statement of `pepsi.amqp_publish`
 (only the columns a publish fills; one round trip; a column that repeats
 one value goes packed, see `pepsi.amqp.arrays`); with one, it is
@@ -231,6 +233,8 @@ class Batcher:
         # connection.blocked for every client while publishes cannot be written (the
         # database is unreachable) or wait above the high-water mark; None: unblocked
         self.on_blocked: Callable[[str | None], None] = lambda _: None
+        # after a commit: the dispatcher's loop (in this process) has new rows to claim
+        self.on_committed: Callable[[], None] = lambda: None
         self._down = False
         self._blocked: str | None = None
         self._submitted = 0  # units submitted ...
@@ -362,6 +366,10 @@ class Batcher:
             self.commits += 1
             for unit in units:
                 self._report(unit, None)
+            try:
+                self.on_committed()
+            except Exception:
+                log.exception("amqp: waking the dispatcher after a publish failed")
 
     async def _failed(self, units: list[Unit], error: BaseException) -> None:
         log.error(

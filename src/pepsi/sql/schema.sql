@@ -555,7 +555,9 @@ $$;
 -- The AMQP listener's publishes to queues without a length limit (A-2): only the
 -- columns a basic.publish fills, no dedup, no limits, one row and one body per
 -- element, in the order given. The rest of workqueue_publish's work, and the
--- five arrays of NULLs it would be sent, cost about a fifth of a publish.
+-- five arrays of NULLs it would be sent, cost about a fifth of a publish. No
+-- NOTIFY (migration 0017): its only caller is the dispatcher's own process, whose
+-- batcher wakes the dispatcher's loop itself after the commit (P-3).
 CREATE FUNCTION pepsi.amqp_publish(
     stages text[],
     message_ids text[],
@@ -569,7 +571,7 @@ CREATE FUNCTION pepsi.amqp_publish(
     bodies bytea[]
 ) RETURNS void
 LANGUAGE sql AS $$
-    SELECT set_config('synchronous_commit', 'on', true), pg_notify('workqueue', '');
+    SELECT set_config('synchronous_commit', 'on', true);
     WITH input AS (
         SELECT u.*, CASE WHEN u.header IS NOT NULL OR u.body IS NOT NULL
                          THEN nextval('pepsi.workqueue_body_body_id_seq') END AS new_body_id
