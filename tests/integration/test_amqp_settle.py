@@ -32,8 +32,12 @@ def test_a_return_ends_the_wait_of_acks_gathering_for_more(
         deliverer = Deliverer(dsn, 5.0)
         try:
             deliverer.ack([Delivery(acked, STAGE, "c", 0)])
-            while not deliverer._gathering:  # the settle task waits for more acks
-                await asyncio.sleep(0)
+
+            async def gathering() -> None:  # the settle task waits for more acks
+                while not deliverer._gathering:
+                    await asyncio.sleep(0)
+
+            await asyncio.wait_for(gathering(), 10)
             cut_by_ack = deliverer._gather_cut.is_set()
             deliverer.requeue([Delivery(returned, STAGE, "c", 0)])  # goes at once
             cut = deliverer._gather_cut.is_set()
