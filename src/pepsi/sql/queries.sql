@@ -33,18 +33,22 @@ SELECT deleted, last_examined FROM pepsi.workqueue_body_gc(%(after_id)s, %(max_e
 -- name: workqueue_load_running
 -- A worker loads the rows it was handed; only rows still running at its
 -- stage (a repair command may have moved one meanwhile). Header and body come
--- from scalar subqueries, one primary-key probe each, never a join: with
+-- from one primary-key probe (none when neither is wanted), by a lateral
+-- subquery whose LIMIT keeps it from being flattened into a join: with
 -- statistics from a moment the tables were empty, a generic plan joined them
--- by walking the whole body index once per row.
+-- by walking the whole body index once per row. (Two scalar subqueries probed
+-- the key twice for a stage that reads the body.)
 SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
        w.origin_user, host(w.origin_peer), w.header_from, w.subject, w.content_type,
        w.correlation_id, w.properties, w.state, w.sender_key, w.body_id,
-       CASE WHEN %(with_header)s THEN
-           (SELECT b.header FROM pepsi.workqueue_body b WHERE b.body_id = w.body_id) END AS header,
-       CASE WHEN %(with_body)s THEN
-           (SELECT b.body FROM pepsi.workqueue_body b WHERE b.body_id = w.body_id) END AS body,
+       b.header, CASE WHEN %(with_body)s THEN b.body END AS body,
        w.xmin::text AS token  -- the claim token (issue 18): last, as in the next query
 FROM pepsi.workqueue w
+LEFT JOIN LATERAL (  -- the header block and body: one probe, or none (see above)
+    SELECT x.header, x.body FROM pepsi.workqueue_body x
+    WHERE x.body_id = w.body_id AND %(with_header)s
+    LIMIT 1
+) b ON true
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.stage = %(stage)s;
 
 -- name: workqueue_load_running_with_settings
@@ -56,10 +60,7 @@ WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.sta
 SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
        w.origin_user, host(w.origin_peer), w.header_from, w.subject, w.content_type,
        w.correlation_id, w.properties, w.state, w.sender_key, w.body_id,
-       CASE WHEN %(with_header)s THEN
-           (SELECT b.header FROM pepsi.workqueue_body b WHERE b.body_id = w.body_id) END AS header,
-       CASE WHEN %(with_body)s THEN
-           (SELECT b.body FROM pepsi.workqueue_body b WHERE b.body_id = w.body_id) END AS body,
+       b.header, CASE WHEN %(with_body)s THEN b.body END AS body,
        (SELECT jsonb_object_agg(s.address, s.options)
         FROM pepsi.settings s
         WHERE s.stage = %(stage)s
@@ -70,6 +71,11 @@ SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
        EXISTS (SELECT 1 FROM pepsi.settings s WHERE s.stage = %(stage)s) AS any_override,
        w.xmin::text AS token
 FROM pepsi.workqueue w
+LEFT JOIN LATERAL (  -- the header block and body: one probe, or none (see above)
+    SELECT x.header, x.body FROM pepsi.workqueue_body x
+    WHERE x.body_id = w.body_id AND %(with_header)s
+    LIMIT 1
+) b ON true
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.stage = %(stage)s;
 
 -- name: settings_exist_for_stage
