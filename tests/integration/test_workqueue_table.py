@@ -367,7 +367,9 @@ def _prepared_plans(
     return _nested_plans(conn, query(name), params, containing=marker, rows=rows)
 
 
-@pytest.mark.parametrize("name", ["workqueue_load_running", "amqp_delivery_load"])
+@pytest.mark.parametrize(
+    "name", ["workqueue_load_running", "workqueue_load_running_with_settings", "amqp_delivery_load"]
+)
 def test_loading_bodies_probes_each_once_under_stale_statistics(stale: Conn, name: str) -> None:
     """A worker's load and the AMQP deliverer's, as generic plans (psycopg prepares a
     statement after a few runs): once a join, which walked the whole body index per row
