@@ -369,10 +369,19 @@ def _children(pid: int) -> Iterator[int]:
 
 
 def _kill_tree(pid: int | None) -> None:
-    """SIGKILL a process and its descendants (children first found, then it)."""
+    """SIGKILL a process and its descendants.
+
+    Stopped first, it forks nothing between the listing of its descendants and the
+    kill: a backend the postmaster forked in that moment survived, waited forever on a
+    lock a killed process held, and kept the data directory from starting again (a
+    killed primary that never rejoined).
+    """
     if pid is None:
         return
     if _alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+        _wait_stopped(pid)
         family = [pid]
         index = 0
         while index < len(family):
@@ -382,6 +391,19 @@ def _kill_tree(pid: int | None) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(member, signal.SIGKILL)
     _reap(pid)
+
+
+def _wait_stopped(pid: int, timeout: float = 2.0) -> None:
+    """Until `pid` is stopped (a signal takes effect at its next entry to the kernel)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return  # gone
+        if state in ("T", "t", "Z", "X"):
+            return
+        time.sleep(0.001)
 
 
 def _terminate(pid: int | None, timeout: float) -> None:
