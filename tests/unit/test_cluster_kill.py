@@ -4,13 +4,16 @@ and kept a killed primary's data directory from starting again)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 from pepsi.cluster.harness import _kill_tree
+from tests.scenarios.conftest import wait_until
 
 # A parent that forks a short-lived child every millisecond, as a postmaster under load
 # forks backends; every process carries the marker in its command line.
@@ -38,21 +41,21 @@ def survivors(marker: str) -> list[int]:
     return found
 
 
+def kill_a_forking_tree() -> None:
+    marker = f"pepsi-kill-test-{uuid.uuid4().hex}"
+    proc = subprocess.Popen([sys.executable, "-c", FORKER, marker])
+    try:
+        wait_until(lambda: len(survivors(marker)) >= 20, timeout=10, what="20 children")
+        _kill_tree(proc.pid)
+        # SIGKILL takes effect in a moment; a child that escaped would sleep on for 30 s
+        wait_until(lambda: not survivors(marker), timeout=5, what="the whole tree to die")
+    finally:
+        for pid in survivors(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+
 def test_a_forking_tree_is_killed_whole() -> None:
-    for _ in range(5):
-        marker = f"pepsi-kill-test-{uuid.uuid4().hex}"
-        proc = subprocess.Popen([sys.executable, "-c", FORKER, marker])
-        try:
-            deadline = time.monotonic() + 10
-            while len(survivors(marker)) < 20 and time.monotonic() < deadline:
-                time.sleep(0.01)  # let it fork a few children first
-            _kill_tree(proc.pid)
-            # SIGKILL takes effect in a moment; a child that escaped would sleep on for 30 s
-            deadline = time.monotonic() + 5
-            while survivors(marker) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert survivors(marker) == []
-        finally:
-            for pid in survivors(marker):
-                subprocess.run(["kill", "-9", str(pid)], check=False)
-            proc.wait()
+    for _ in range(5):  # the race it guards against is a matter of timing
+        kill_a_forking_tree()
