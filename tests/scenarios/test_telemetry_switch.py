@@ -76,9 +76,12 @@ class Producer(threading.Thread):
 
 
 def spans(path: Path) -> list[dict[str, Any]]:
+    """The spans written so far: live workers append to the file, so the last line may
+    still be half written (only lines ending in a newline are complete)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    complete = path.read_text().rpartition("\n")[0]
+    return [json.loads(line) for line in complete.splitlines()]
 
 
 def workers(pipeline: Pipeline) -> tuple[int, int]:
