@@ -100,27 +100,26 @@ def test_kombu_topic_exchange_consumer_requeue_and_reject(
     wait_until(lambda: rows(conn, "kombu-graveyard") == {}, what="the dead letter acked")
 
 
-def test_a_celery_worker_runs_tasks_and_returns_results(server: DispatcherThread) -> None:
-    env = {
-        **os.environ,
-        "PEPSI_TEST_BROKER": url(server),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
+def test_a_celery_worker_runs_tasks_and_returns_results(
+    server: DispatcherThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PEPSI_TEST_BROKER", url(server))  # read by celery_app, here and there
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    )
     worker = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "tests.integration.celery_app", "worker",
          "--pool", "solo", "--loglevel", "warning", "--events"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    os.environ["PEPSI_TEST_BROKER"] = env["PEPSI_TEST_BROKER"]
     try:
         from tests.integration import celery_app  # noqa: PLC0415  # needs the broker's URL
 
-        celery_app.app.conf.broker_url = env["PEPSI_TEST_BROKER"]
+        celery_app.app.conf.broker_url = url(server)  # if imported before, on another port
         results = [celery_app.add.delay(i, i) for i in range(20)]
         assert [r.get(timeout=60) for r in results] == [2 * i for i in range(20)]
         assert celery_app.flaky.delay("job").get(timeout=60) == "job after 1 retry"
     finally:
-        os.environ.pop("PEPSI_TEST_BROKER", None)
         worker.terminate()
         output, _ = worker.communicate(timeout=60)
     assert worker.returncode == 0, output

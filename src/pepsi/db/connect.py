@@ -41,13 +41,11 @@ KEEPALIVES = {
 }
 
 # The send buffer asked for on a Unix socket (the embedded server's): a statement of
-# up to about this size is handed to the kernel in one write, and the server reads it
-# while the client's event loop goes on. With the default (~208 KB) a publish batch
-# of 500 KB went in three writes, each after a turn of the dispatcher's loop, and
-# PostgreSQL waited for them: per row, a batch took 25 instead of 34 µs, and
-# bench/amqp.py's publish phase ran 20 700 -> 24 700 msg/s (medians of 10
-# alternating rounds; docs/performance.md). The kernel caps the value at
-# net.core.wmem_max (then doubles it), and it is a ceiling, not an allocation.
+# up to about this size goes to the kernel in one write. With the default (~208 KB)
+# an AMQP publish batch of 500 KB went in three, each after a turn of the dispatcher's
+# event loop, while PostgreSQL, which starts a statement only once all of it is in,
+# waited (docs/performance.md). The kernel caps the value at net.core.wmem_max (then
+# doubles it); it is a ceiling, not an allocation.
 SEND_BUFFER_BYTES = 4 * 1024 * 1024
 
 if TYPE_CHECKING:  # a worker is given its DSN: it never imports the embedded server
@@ -173,14 +171,19 @@ def widen_send_buffer(fd: int, size: int = SEND_BUFFER_BYTES) -> int | None:
     when `fd` is not a Unix socket (TCP tunes its own buffers: a fixed size would stop
     that) or the system refused (the connection works as before)."""
     try:
-        with socket.socket(fileno=os.dup(fd)) as sock:  # a duplicate: the option is the socket's
-            if sock.family != socket.AF_UNIX:
-                return None
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < size:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
-            return sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        sock = socket.socket(fileno=fd)
+    except OSError:  # not a socket
+        return None
+    try:
+        if sock.family != socket.AF_UNIX:
+            return None
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < size:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
     except OSError:
         return None
+    finally:
+        sock.detach()  # the caller's descriptor: it stays open
 
 
 def connect_error(exc: psycopg.Error, dsn: str) -> DatabaseUnavailable:
