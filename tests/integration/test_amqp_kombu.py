@@ -14,7 +14,6 @@ import psycopg
 import pytest
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-from pepsi.admin import amqp_users
 from tests.integration.amqp_dispatcher import DispatcherThread, rows
 from tests.integration.amqp_harness import PASSWORD, assert_no_server_bugs
 from tests.scenarios.conftest import wait_until
@@ -29,21 +28,12 @@ def no_server_bugs(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     assert_no_server_bugs(caplog, tracebacks_only=True)
 
 
-@pytest.fixture
-def server(dsn: str, conn: Conn) -> Iterator[DispatcherThread]:
-    amqp_users.add_user(conn, "alice", PASSWORD)
-    amqp_users.set_permissions(conn, "alice", ".*", ".*", ".*")
-    thread = DispatcherThread(dsn)
-    yield thread
-    assert thread.stop() == 0
+def url(broker: DispatcherThread) -> str:
+    return f"amqp://alice:{PASSWORD}@127.0.0.1:{broker.port}//"
 
 
-def url(server: DispatcherThread) -> str:
-    return f"amqp://alice:{PASSWORD}@127.0.0.1:{server.port}//"
-
-
-def test_a_kombu_simple_queue_with_confirms(server: DispatcherThread, conn: Conn) -> None:
-    with Connection(url(server), transport_options={"confirm_publish": True}) as connection:
+def test_a_kombu_simple_queue_with_confirms(broker: DispatcherThread, conn: Conn) -> None:
+    with Connection(url(broker), transport_options={"confirm_publish": True}) as connection:
         queue = connection.SimpleQueue("kombu-simple")
         for i in range(5):
             queue.put({"n": i})  # returns once confirmed: the row is committed
@@ -60,7 +50,7 @@ def test_a_kombu_simple_queue_with_confirms(server: DispatcherThread, conn: Conn
 
 
 def test_kombu_topic_exchange_consumer_requeue_and_reject(
-    server: DispatcherThread, conn: Conn
+    broker: DispatcherThread, conn: Conn
 ) -> None:
     exchange = Exchange("kombu-events", type="topic", durable=True)
     dead = Exchange("kombu-dead", type="fanout", durable=True)
@@ -82,7 +72,7 @@ def test_kombu_topic_exchange_consumer_requeue_and_reject(
         else:
             message.ack()
 
-    with Connection(url(server), transport_options={"confirm_publish": True}) as connection:
+    with Connection(url(broker), transport_options={"confirm_publish": True}) as connection:
         producer = Producer(connection.channel(), exchange=exchange, serializer="json")
         for key, message_id in (("order.created", "a"), ("order.paid", "b"), ("order.lost", "c")):
             producer.publish({"id": message_id}, routing_key=key, declare=[queue, graveyard])
@@ -101,9 +91,9 @@ def test_kombu_topic_exchange_consumer_requeue_and_reject(
 
 
 def test_a_celery_worker_runs_tasks_and_returns_results(
-    server: DispatcherThread, monkeypatch: pytest.MonkeyPatch
+    broker: DispatcherThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("PEPSI_TEST_BROKER", url(server))  # read by celery_app, here and there
+    monkeypatch.setenv("PEPSI_TEST_BROKER", url(broker))  # read by celery_app, here and there
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     )
@@ -115,7 +105,7 @@ def test_a_celery_worker_runs_tasks_and_returns_results(
     try:
         from tests.integration import celery_app  # noqa: PLC0415  # needs the broker's URL
 
-        celery_app.app.conf.broker_url = url(server)  # if imported before, on another port
+        celery_app.app.conf.broker_url = url(broker)  # if imported before, on another port
         results = [celery_app.add.delay(i, i) for i in range(20)]
         assert [r.get(timeout=60) for r in results] == [2 * i for i in range(20)]
         assert celery_app.flaky.delay("job").get(timeout=60) == "job after 1 retry"
