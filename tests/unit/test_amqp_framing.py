@@ -42,10 +42,14 @@ from pepsi.amqp.framing import (
     build_method,
     decode_properties,
     encode_content,
+    encode_deliver,
+    encode_deliver_fields,
     encode_frame,
     encode_method,
     encode_properties,
+    routing_fields,
 )
+from pepsi.amqp.framing import shortstr as amqp_shortstr
 
 # --- helpers ----------------------------------------------------------------------------
 
@@ -748,3 +752,37 @@ def test_random_headers_tables_are_forwarded_byte_for_byte(
     assert isinstance(content.header.properties.headers, dict)
     out = encode_content(1, content.method, content.raw_properties, content.body, FRAME_MIN_SIZE)
     assert out == wire + header + bodies
+
+
+@pytest.mark.parametrize("size", [0, 1, 1024, 4088, 4089, 20000])
+@pytest.mark.parametrize("frame_max", [0, 4096, 131072])
+@pytest.mark.parametrize("redelivered", [False, True])
+def test_a_delivery_packed_directly_is_what_pamqp_would_encode(
+    size: int, frame_max: int, redelivered: bool
+) -> None:
+    """encode_deliver packs basic.deliver itself (the consuming hot path): the same octets
+    as pamqp's method with encode_content, one body frame or split by frame_max."""
+    body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    expected = encode_content(
+        5,
+        build_method(
+            commands.Basic.Deliver, consumer_tag="ctag-é", delivery_tag=2**40 + 3,
+            redelivered=redelivered, exchange="amq.topic", routing_key="a.b",
+        ),
+        PROPS, body, frame_max,
+    )  # fmt: skip
+    assert encode_deliver(
+        5, consumer_tag="ctag-é", delivery_tag=2**40 + 3, redelivered=redelivered,
+        exchange="amq.topic", routing_key="a.b", raw_properties=PROPS, body=body,
+        frame_max=frame_max,
+    ) == expected  # fmt: skip
+    assert encode_deliver_fields(
+        5, amqp_shortstr("ctag-é"), 2**40 + 3, redelivered, routing_fields("amq.topic", "a.b"),
+        raw_properties=PROPS, body=body, frame_max=frame_max,
+    ) == expected  # fmt: skip
+
+
+def test_a_delivery_checks_frame_max_as_any_content_does() -> None:
+    with pytest.raises(ValueError, match="below the minimum"):
+        encode_deliver_fields(1, amqp_shortstr("c"), 1, False, routing_fields("", "q"),
+                              raw_properties=PROPS, body=b"x", frame_max=100)  # fmt: skip

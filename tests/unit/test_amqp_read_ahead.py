@@ -154,3 +154,96 @@ def test_rows_loading_when_the_queue_is_purged_are_deleted_not_delivered() -> No
     assert deliverer._outcomes.acked == [(STAGE, 1), (STAGE, 2)]  # deleted by the settle
     assert [f.wid for f in deliverer.ready[STAGE]] == [3]
     assert deliverer._outcomes.unsent == []
+
+
+# --- one consumer's run and round robin: what `pump` sends ------------------------------
+
+
+def consumers_on_one_channel(*prefetches: int, no_ack: bool = False) -> tuple[
+    Deliverer, Channel, list[Consumer]
+]:  # fmt: skip
+    deliverer = Deliverer("", 1.0)
+    deliverer.link = Link()
+    channel = Channel()
+    book = ChannelBook(owner=channel)
+    consumers = [
+        Consumer(f"c{i}", "q", STAGE, book, no_ack=no_ack, prefetch=prefetch)
+        for i, prefetch in enumerate(prefetches)
+    ]
+    for consumer in consumers:
+        deliverer.registry.add(consumer)
+    return deliverer, channel, consumers
+
+
+def test_one_consumer_is_sent_what_its_prefetch_allows_in_order() -> None:
+    deliverer, _, (consumer,) = consumers_on_one_channel(3)
+    read_ahead(deliverer, 10, 5)
+    deliverer.pump(STAGE)
+    assert [(tag, d.wid) for tag, d in consumer.book.unacked.items()] == [
+        (1, 10), (2, 11), (3, 12)
+    ]  # fmt: skip
+    assert consumer.unacked == 3
+    assert consumer.credit() == 0
+    assert [f.wid for f in deliverer.ready[STAGE]] == [13, 14]
+    assert deliverer.delivered == 3
+    deliverer.pump(STAGE)  # no credit: nothing more
+    assert deliverer.delivered == 3
+    consumer.book.take(2, multiple=True)  # acks 1 and 2
+    deliverer.pump(STAGE)
+    assert list(consumer.book.unacked) == [3, 4, 5]
+    assert consumer.book.next_tag == 6
+
+
+def test_the_channel_prefetch_bounds_one_consumer_too() -> None:
+    deliverer, _, (consumer,) = consumers_on_one_channel(0)  # no limit of its own
+    consumer.book.prefetch_global = 2
+    read_ahead(deliverer, 1, 5)
+    deliverer.pump(STAGE)
+    assert list(consumer.book.unacked) == [1, 2]
+
+
+def test_a_no_ack_consumer_takes_the_whole_read_ahead_and_nothing_stays_unacked() -> None:
+    deliverer, _, (consumer,) = consumers_on_one_channel(0, no_ack=True)
+    deliverer._settle_soon = lambda: None  # type: ignore[method-assign]  # no database here
+    read_ahead(deliverer, 1, 1500)  # more than the credit a no-ack consumer reports
+    deliverer.pump(STAGE)
+    assert deliverer.delivered == 1500
+    assert not deliverer.ready[STAGE]
+    assert not consumer.book.unacked
+    assert [wid for _, wid in deliverer._outcomes.acked] == list(range(1, 1501))
+
+
+def test_expired_read_ahead_is_dead_lettered_without_using_credit() -> None:
+    deliverer, _, (consumer,) = consumers_on_one_channel(2)
+    deliverer._settle_soon = lambda: None  # type: ignore[method-assign]  # no database here
+    deliverer.clock = lambda: 100.0
+    ready = deliverer.ready.setdefault(STAGE, deque())
+    ready.extend([
+        Fetched(1, "", "q", False, 0, 50.0, b"", b"b"),  # expired
+        Fetched(2, "", "q", False, 0, None, b"", b"b"),
+        Fetched(3, "", "q", False, 0, 99.0, b"", b"b"),  # expired
+        Fetched(4, "", "q", False, 0, 200.0, b"", b"b"),
+        Fetched(5, "", "q", False, 0, None, b"", b"b"),
+    ])  # fmt: skip
+    deliverer.pump(STAGE)
+    assert [d.wid for d in consumer.book.unacked.values()] == [2, 4]
+    assert deliverer._outcomes.dead == [(STAGE, 1, "expired"), (STAGE, 3, "expired")]
+    assert [f.wid for f in ready] == [5]
+
+
+def test_several_consumers_take_turns_one_message_each() -> None:
+    deliverer, _, (first, second) = consumers_on_one_channel(2, 3)
+    read_ahead(deliverer, 1, 6)
+    deliverer.pump(STAGE)
+    assert [d.wid for d in first.book.unacked.values() if d.consumer_tag == "c0"] == [1, 3]
+    assert [d.wid for d in second.book.unacked.values() if d.consumer_tag == "c1"] == [2, 4, 5]
+    assert [f.wid for f in deliverer.ready[STAGE]] == [6]
+
+
+def test_a_single_active_consumer_queue_feeds_only_the_oldest_consumer() -> None:
+    deliverer, _, (first, second) = consumers_on_one_channel(2, 2)
+    deliverer.single_active = lambda stage: True  # type: ignore[method-assign]
+    read_ahead(deliverer, 1, 4)
+    deliverer.pump(STAGE)
+    assert first.unacked == 2
+    assert second.unacked == 0

@@ -42,6 +42,12 @@ def stage_queue_text(queue: Queue, vhost: str) -> str:
     )
 
 
+# Encoded once, kept while they are few (a channel has a handful of consumers, a queue's
+# messages a handful of exchange and routing key pairs); cleared past this many.
+ENCODED_CACHE = 256
+_ROUTING_FIELDS: dict[tuple[str, str], bytes] = {}
+
+
 def _ids(method: type[base.Frame]) -> tuple[int, int]:
     return method.index >> 16, method.index & 0xFFFF
 
@@ -61,6 +67,7 @@ class ConsumingChannel(ChannelHandler):
         deliverer.books.add(self.book)
         connection.resumed = deliverer.pump_all  # the client reads again
         self.published = False  # publishes since the channel last waited for their commit
+        self._consumer_tags: dict[str, bytes] = {}  # consumer tag -> shortstr
 
     async def in_order(self) -> None:
         """Wait for what this channel did before to be written: its publishes, and every
@@ -98,18 +105,24 @@ class ConsumingChannel(ChannelHandler):
         return queue
 
     def delivery_frames(self, consumer: Consumer, tag: int, fetched: Fetched) -> bytes:
-        """basic.deliver, its content header (properties as stored) and body frames."""
-        return framing.encode_deliver(
-            self.channel.number,
-            consumer_tag=consumer.tag,
-            delivery_tag=tag,
-            redelivered=fetched.redelivered,
-            exchange=fetched.exchange,
-            routing_key=fetched.routing_key,
-            raw_properties=fetched.raw_properties,
-            body=fetched.body,
+        """basic.deliver, its content header (properties as stored) and body frames; the
+        consumer tag and the routing fields encoded once, not per message."""
+        consumer_tag = self._consumer_tags.get(consumer.tag)
+        if consumer_tag is None:
+            if len(self._consumer_tags) >= ENCODED_CACHE:
+                self._consumer_tags.clear()
+            consumer_tag = self._consumer_tags[consumer.tag] = framing.shortstr(consumer.tag)
+        key = (fetched.exchange, fetched.routing_key)
+        routing = _ROUTING_FIELDS.get(key)
+        if routing is None:
+            if len(_ROUTING_FIELDS) >= ENCODED_CACHE:
+                _ROUTING_FIELDS.clear()
+            routing = _ROUTING_FIELDS[key] = framing.routing_fields(*key)
+        return framing.encode_deliver_fields(
+            self.channel.number, consumer_tag, tag, fetched.redelivered, routing,
+            raw_properties=fetched.raw_properties, body=fetched.body,
             frame_max=self.channel.connection.frame_max,
-        )
+        )  # fmt: skip
 
     def send_frames(self, data: bytes) -> None:
         self.channel.connection.send(data)

@@ -1021,14 +1021,30 @@ def encode_content(
     return _content(channel, encode_method(channel, method), raw_properties, body, frame_max)
 
 
-_DELIVER_INDEX: Final = _U32.pack(commands.Basic.Deliver.index)
+_DELIVERY_INDEX: Final = commands.Basic.Deliver.index
+_DELIVER_INDEX: Final = _U32.pack(_DELIVERY_INDEX)
+# The fixed parts of a basic.deliver whose body fits one frame, each packed at once:
+# the method frame's header with the class and method ids; the delivery tag and the
+# redelivered bit; the method's frame-end and the content header frame's header and
+# fixed fields; the header's frame-end and the body frame's header.
+_DELIVER_HEAD = struct.Struct(">BHII")
+_DELIVER_TAG = struct.Struct(">QB")
+_DELIVER_CONTENT = struct.Struct(">BBHIHHQ")
+_DELIVER_BODY = struct.Struct(">BBHI")
+_CONTENT_FIXED: Final = _CONTENT_HEAD.size  # class, weight, body size
 
 
-def _shortstr(text: str) -> bytes:
+def shortstr(text: str) -> bytes:
+    """A shortstr field: its length octet and UTF-8 octets (ValueError past 255)."""
     data = text.encode()
     if len(data) > 255:
         raise ValueError(f"shortstr of {len(data)} octets (at most 255)")
     return _U8.pack(len(data)) + data
+
+
+def routing_fields(exchange: str, routing_key: str) -> bytes:
+    """basic.deliver's last two fields (exchange, routing key), encoded."""
+    return shortstr(exchange) + shortstr(routing_key)
 
 
 def encode_deliver(
@@ -1043,11 +1059,47 @@ def encode_deliver(
     body: bytes,
     frame_max: int,
 ) -> bytes:
-    """basic.deliver with its content, as `encode_content` would write it; the method's
-    payload packed directly (one per message sent: the consuming hot path)."""
+    """basic.deliver with its content, as `encode_content` would write it."""
+    return encode_deliver_fields(
+        channel, shortstr(consumer_tag), delivery_tag, redelivered,
+        routing_fields(exchange, routing_key), raw_properties=raw_properties, body=body,
+        frame_max=frame_max,
+    )  # fmt: skip
+
+
+def encode_deliver_fields(
+    channel: int,
+    consumer_tag: bytes,
+    delivery_tag: int,
+    redelivered: bool,
+    routing: bytes,
+    *,
+    raw_properties: bytes,
+    body: bytes,
+    frame_max: int,
+) -> bytes:
+    """`encode_deliver` with the consumer tag (`shortstr`) and the exchange and routing
+    key (`routing_fields`) already encoded, as a consumer's channel keeps them: one call
+    per message sent, the consuming hot path. A body that fits one frame (nearly every
+    one) goes in one join of parts packed at once; others as `_content` splits them."""
+    size = len(body)
+    if size and (
+        not frame_max or (frame_max >= FRAME_MIN_SIZE and size <= frame_max - FRAME_OVERHEAD)
+    ):
+        return b"".join((
+            _DELIVER_HEAD.pack(
+                FRAME_METHOD, channel, 13 + len(consumer_tag) + len(routing), _DELIVERY_INDEX
+            ),
+            consumer_tag, _DELIVER_TAG.pack(delivery_tag, redelivered), routing,
+            _DELIVER_CONTENT.pack(
+                FRAME_END, FRAME_HEADER, channel, _CONTENT_FIXED + len(raw_properties),
+                BASIC_CLASS_ID, 0, size,
+            ),
+            raw_properties, _DELIVER_BODY.pack(FRAME_END, FRAME_BODY, channel, size), body,
+            b"\xce",
+        ))  # fmt: skip
     payload = b"".join((
-        _DELIVER_INDEX, _shortstr(consumer_tag), _U64.pack(delivery_tag),
-        b"\x01" if redelivered else b"\x00", _shortstr(exchange), _shortstr(routing_key),
+        _DELIVER_INDEX, consumer_tag, _DELIVER_TAG.pack(delivery_tag, redelivered), routing
     ))  # fmt: skip
     method = encode_frame(FRAME_METHOD, channel, payload)
     return _content(channel, method, raw_properties, body, frame_max)
