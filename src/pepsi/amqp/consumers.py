@@ -121,10 +121,19 @@ class ChannelBook:
                 if not tags:
                     raise UnknownTag(tag)
         else:
-            if tag not in self.unacked:
-                raise UnknownTag(tag)
-            tags = [tag]
+            return [self.take_one(tag)]
         return [self._settle(t) for t in tags]
+
+    def take_one(self, tag: int) -> Delivery:
+        """The delivery a single ack, nack or reject of `tag` settles (a consumer's
+        `basic.ack`, one per message: without the lists of `take`)."""
+        delivery = self.unacked.pop(tag, None)
+        if delivery is None:
+            raise UnknownTag(tag)
+        consumer = self.consumers.get(delivery.consumer_tag or "")
+        if consumer is not None:
+            consumer.unacked -= 1
+        return delivery
 
     def take_all(self) -> list[Delivery]:
         return [self._settle(t) for t in list(self.unacked)]

@@ -253,9 +253,17 @@ class ConsumingChannel(ChannelHandler):
         self.ack_now(int(method.delivery_tag), bool(method.multiple))
 
     def ack_now(self, tag: int, multiple: bool) -> None:
-        deliveries = self._take(tag, multiple, commands.Basic.Ack)
         deliverer = self.broker.deliverer
-        deliverer.ack(deliveries)
+        if multiple:
+            deliverer.ack(self._take(tag, multiple, commands.Basic.Ack))
+        else:
+            try:
+                delivery = self.book.take_one(tag)
+            except UnknownTag as error:
+                raise ChannelError(
+                    PRECONDITION_FAILED, str(error), *_ids(commands.Basic.Ack)
+                ) from None
+            deliverer.ack_one(delivery)
         deliverer.credit_freed(self.book)
 
     async def basic_nack(self, method: commands.Basic.Nack) -> None:

@@ -115,8 +115,15 @@ def fetched_row(row: Sequence[Any], queue_name: str, quorum: bool = True) -> Fet
     count, redelivered, x-death, first death, expires, header, body. `quorum`: the queue
     counts deliveries in `x-delivery-count` (classic ones do not)."""
     wid, exchange, routing_key, count, redelivered, deaths, first, expires, header, body = row[:10]
-    count = int(count or 0)
     foreign = row[10]
+    if foreign is None and not count and not deaths:  # the common case: a first delivery
+        return Fetched(
+            int(wid), exchange or "", queue_name if routing_key is None else routing_key,
+            bool(redelivered), 0, None if expires is None else float(expires),
+            EMPTY_PROPERTIES if header is None else bytes(header),
+            b"" if body is None else bytes(body),
+        )  # fmt: skip
+    count = int(count or 0)
     if foreign is not None:  # advanced here by a stage of the pipeline: no AMQP header
         message_id, content_type, correlation_id, properties = foreign
         raw = pipeline_properties(message_id, content_type, correlation_id, properties, header)
@@ -301,6 +308,8 @@ class Deliverer:
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self._in_fetch: list[int] = []  # ids of the load running now
+        # ... or, while a load goes out in steps, the claimed rows not loaded yet
+        self._in_fetch_rest: list[tuple[int, str, int]] = []
         self._to_pump: set[str] = set()  # stages whose consumers got credit back
         self._pump_scheduled = False
         self._in_settle: list[int] = []  # ids of the commit running now
@@ -342,6 +351,7 @@ class Deliverer:
         ids += [wid for wid, _, _ in self._claimed]
         ids += self._outcomes.ids()
         ids += self._in_fetch
+        ids += [wid for wid, _, _ in self._in_fetch_rest]
         ids += self._in_settle
         return ids
 
@@ -534,6 +544,11 @@ class Deliverer:
         self._outcomes.acked += [(d.stage, d.wid) for d in deliveries]
         self._settle_soon()
 
+    def ack_one(self, delivery: Delivery) -> None:
+        """`ack` of one delivery (a consumer's basic.ack, one per message)."""
+        self._outcomes.acked.append((delivery.stage, delivery.wid))
+        self._settle_soon()
+
     def requeue(self, deliveries: Iterable[Delivery]) -> None:
         """Returned by the consumer (or its channel closed): redelivered later, unless the
         queue's delivery limit is reached, then dead-lettered. The stage's read-ahead goes
@@ -711,52 +726,70 @@ class Deliverer:
         """`_load` and send, LOAD_STEP rows at a time, letting the loop run in between: a
         claim's 500 rows took the loop for about 2 ms, during which consumers' acks
         waited, and with them the deliveries their credit frees (at prefetch 100, a
-        consumer that has handled what it holds then idles). Ids not loaded yet stay
-        held (`_in_fetch`)."""
+        consumer that has handled what it holds then idles). Rows not loaded yet stay
+        held (`_in_fetch_rest`)."""
         for start in range(0, len(claimed), LOAD_STEP):
-            self._in_fetch = [wid for wid, _, _ in claimed[start + LOAD_STEP :]]
+            # held, as ids only when `held` asks (a list of ids per step cost a copy)
+            self._in_fetch, self._in_fetch_rest = [], claimed[start + LOAD_STEP :]
             for stage in self._load(claimed[start : start + LOAD_STEP], rows):
                 self.pump(stage)
-            if self._in_fetch:
+            if self._in_fetch_rest:
                 await asyncio.sleep(0)
 
     def _load(
         self, claimed: list[tuple[int, str, int]], rows: Mapping[int, Sequence[Any]]
     ) -> set[str]:
-        """Loaded rows into their stages' read-ahead, in claim order; the stages."""
-        stages: set[str] = set()
+        """Loaded rows into their stages' read-ahead, in claim order; the stages. What
+        the rows of one stage share (its queue, epoch, read-ahead) is looked up once."""
+        stages: dict[str, tuple[int, str, bool, deque[Fetched]]] = {}
+        loaded: dict[str, int] = {}  # stage -> rows taken off `_loading`
+        added: dict[str, int] = {}  # stage -> body bytes added to the read-ahead
         gone: dict[str, list[int]] = {}
         now = self.clock()
         for wid, stage, epoch in claimed:
-            self._loading[stage] -= 1
+            loaded[stage] = loaded.get(stage, 0) + 1
             row = rows.get(wid)
             if row is None:  # purged or deleted with its queue meanwhile
                 gone.setdefault(stage, []).append(wid)
                 continue
-            if epoch != self._epoch.get(stage, 0):
+            known = stages.get(stage)
+            if known is None:
+                known = stages[stage] = self._load_target(stage)
+            current, name, quorum, ready = known
+            if epoch != current:
                 if epoch < self._purged.get(stage, 0):  # purged while it was loading
                     self._outcomes.acked.append((stage, wid))
                     self._settle_soon()
                 else:  # older messages went back meanwhile: after them
                     self.unsent(stage, [wid])
                 continue
-            queue = self.queues.get(stage)
-            fetched = fetched_row(row, queue.name if queue else stage, _quorum(queue))
-            if fetched.expired(now):  # RabbitMQ never delivers an expired message
-                self._outcomes.dead.append((stage, wid, "expired"))
-                self._settle_soon()
+            fetched = fetched_row(row, name, quorum)
+            if fetched.expires is not None and fetched.expires <= now:
+                self._outcomes.dead.append((stage, wid, "expired"))  # RabbitMQ never
+                self._settle_soon()  # delivers an expired message
                 continue
-            ready = self.ready.get(stage)
-            if ready is None:
-                ready = self.ready[stage] = deque()
             ready.append(fetched)
-            self._ready_bytes[stage] = self._ready_bytes.get(stage, 0) + len(fetched.body)
-            stages.add(stage)
+            added[stage] = added.get(stage, 0) + len(fetched.body)
+        for stage, count in loaded.items():
+            left = self._loading.get(stage, 0) - count
+            if left > 0:
+                self._loading[stage] = left
+            else:
+                self._loading.pop(stage, None)
+        for stage, size in added.items():
+            self._ready_bytes[stage] = self._ready_bytes.get(stage, 0) + size
         for stage, ids in gone.items():
             self.link.consumed(stage, ids)
-        for stage in [s for s, n in self._loading.items() if n <= 0]:
-            del self._loading[stage]
-        return stages
+        return set(added)
+
+    def _load_target(self, stage: str) -> tuple[int, str, bool, deque[Fetched]]:
+        """What a load needs of a stage: its epoch, its queue's name, whether the queue
+        counts deliveries (quorum), its read-ahead."""
+        queue = self.queues.get(stage)
+        ready = self.ready.get(stage)
+        if ready is None:
+            ready = self.ready[stage] = deque()
+        return self._epoch.get(stage, 0), queue.name if queue else stage, _quorum(queue), ready
 
     async def _settle_loop(self) -> None:
         delays = self.backoff.delays()
