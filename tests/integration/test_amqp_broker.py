@@ -277,6 +277,41 @@ def test_a_confirmed_publish_is_a_row_with_the_raw_header(amqp: Any, conn: Conn)
     assert bytes(row[9]) == b'{"id": 7}'
 
 
+def test_repeated_publishes_follow_binding_changes_and_their_own_expiry(
+    amqp: Any, conn: Conn
+) -> None:
+    """A channel reuses the rows of its last publish for the next one with the same
+    exchange, key and properties (only the body differs): a binding made or removed in
+    between routes the next publish anew, and a per-message expiration is each publish's
+    own, never reused."""
+    ch = amqp().channel()
+    ch.confirm_delivery()
+    for name in ("first", "second"):
+        ch.queue_declare(name)
+    ch.queue_bind("first", "amq.direct", "k")
+    props = BasicProperties(delivery_mode=2)
+    ch.basic_publish("amq.direct", "k", b"1", props)
+    ch.basic_publish("amq.direct", "k", b"2", props)
+    ch.queue_bind("second", "amq.direct", "k")
+    ch.basic_publish("amq.direct", "k", b"3", props)
+    ch.queue_unbind("first", "amq.direct", "k")
+    ch.basic_publish("amq.direct", "k", b"4", props)
+    assert bodies(conn, "first") == [b"1", b"2", b"3"]
+    assert bodies(conn, "second") == [b"3", b"4"]
+    assert [r[8] for r in rows(conn, "second")] == [b"".join(props.encode())] * 2
+
+    expiring = BasicProperties(expiration="60000")
+    ch.basic_publish("", "first", b"5", expiring)
+    time.sleep(0.05)
+    ch.basic_publish("", "first", b"6", expiring)
+    expires = conn.execute(
+        "SELECT expires FROM pepsi.workqueue WHERE stage = pepsi.amqp_queue_stage('/', 'first')"
+        " AND expires IS NOT NULL ORDER BY workqueue_id"
+    ).fetchall()
+    assert len(expires) == 2
+    assert expires[1][0] > expires[0][0]  # each from its own publish time
+
+
 def test_mandatory_unroutable_is_returned_before_the_ack(amqp: Any, conn: Conn) -> None:
     ch = amqp().channel()
     ch.confirm_delivery()
