@@ -508,6 +508,10 @@ def _fast_publish(payload: bytes) -> commands.Basic.Publish | None:
 
 
 _ACK_INDEX: Final = commands.Basic.Ack.index
+PUBLISH_CACHE: Final = 64  # decoded basic.publish methods a reader keeps
+_METHOD_HEAD = struct.Struct(">BHII")  # frame type, channel, size, class and method ids
+# frame type, channel, size, then the content header's class, weight and body size
+_HEADER_HEAD = struct.Struct(">BHIHHQ")
 _ACK = struct.Struct(">IQB")  # class and method ids, delivery-tag, the multiple bit
 
 
@@ -608,6 +612,9 @@ class FrameReader:
         self._need_header = expect_protocol_header
         self._failed: FrameError | None = None
         self._good_properties = b""
+        # decoded basic.publish methods by payload (a publisher repeats one); never
+        # changed once made, so one object may serve many publishes
+        self._publishes: dict[bytes, commands.Basic.Publish] = {}
 
     @property
     def frame_max(self) -> int:
@@ -670,44 +677,91 @@ class FrameReader:
         """
         if self._need_header or self._failed is not None:
             return None
-        buf, start = self._buf, self._pos
-        # 16: a frame header and the shortest basic.publish. An ack is turned away by
-        # its method id, before the frame is looked at.
-        end = (
-            self._frame_end(start, FRAME_METHOD, -1)
-            if len(buf) - start >= 16 and _U32.unpack_from(buf, start + 7)[0] == _PUBLISH_INDEX
-            else -1
-        )
-        if end < start + 16:
+        buf = self._buf
+        taken = self._publish_method(buf, self._pos)
+        if taken is None:
             return None
-        channel = _U16.unpack_from(buf, start + 1)[0]
-        method = _fast_publish(bytes(buf[start + 7 : end]))
-        pos = end + 1
-        end = self._frame_end(pos, FRAME_HEADER, channel)
-        if method is None or channel == 0 or end < pos + 7 + 14:
+        method, channel, pos = taken
+        header = self._content_header(buf, pos, channel)
+        if header is None:
             return None
-        class_id, weight, body_size = _CONTENT_HEAD.unpack_from(buf, pos + 7)
-        raw = bytes(buf[pos + 19 : end])
-        if (
-            class_id != BASIC_CLASS_ID
-            or weight != 0
-            or not self._properties_ok(raw)
-            or not accept(channel, body_size)
-        ):
+        raw, body_size, pos = header
+        if not self._properties_ok(raw) or not accept(channel, body_size):
             return None
-        pos = end + 1
         parts: list[bytes] = []
         remaining = body_size
-        while remaining:
-            end = self._frame_end(pos, FRAME_BODY, channel)
-            if not 0 < end - pos - 7 <= remaining:  # also end < 0: not all buffered
+        frame_max = self._frame_max
+        size = len(buf)
+        while remaining:  # the body frames
+            length = -1
+            if size - pos >= 7:
+                kind, on, length = _FRAME_HEAD.unpack_from(buf, pos)
+                if kind != FRAME_BODY or on != channel or (frame_max and length > frame_max):
+                    length = -1
+            end = pos + 7 + length
+            if not 0 < length <= remaining or size <= end or buf[end] != FRAME_END:
                 return None
             parts.append(bytes(buf[pos + 7 : end]))
-            remaining -= end - pos - 7
+            remaining -= length
             pos = end + 1
         self._pos = pos
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         return Content(channel, method, RawContentHeader(channel, body_size, raw), body)
+
+    def _publish_method(
+        self, buf: bytearray, start: int
+    ) -> tuple[commands.Basic.Publish, int, int] | None:
+        """A whole, well-formed basic.publish method frame at `start`: the method (decoded
+        once per distinct payload: a publisher repeats one), its channel and where the
+        next frame starts; else None. An ack is turned away by its method id."""
+        size = len(buf)
+        if size - start < 16:  # a frame header and the shortest basic.publish
+            return None
+        kind, channel, length, index = _METHOD_HEAD.unpack_from(buf, start)
+        end = start + 7 + length
+        if (
+            index != _PUBLISH_INDEX
+            or kind != FRAME_METHOD
+            or not channel
+            or length < 9
+            or (self._frame_max and length > self._frame_max)
+            or size <= end
+            or buf[end] != FRAME_END
+        ):
+            return None
+        payload = bytes(buf[start + 7 : end])
+        method = self._publishes.get(payload)
+        if method is None:
+            method = _fast_publish(payload)
+            if method is None:
+                return None
+            if len(self._publishes) >= PUBLISH_CACHE:
+                self._publishes.clear()
+            self._publishes[payload] = method
+        return method, channel, end + 1
+
+    def _content_header(
+        self, buf: bytearray, pos: int, channel: int
+    ) -> tuple[bytes, int, int] | None:
+        """A whole content header frame of class basic on `channel` at `pos`: its raw
+        property octets, the body size and where the next frame starts; else None."""
+        size = len(buf)
+        if size - pos < 7 + 14:  # a frame header, class, weight, body size, one flag word
+            return None
+        kind, on, length, class_id, weight, body_size = _HEADER_HEAD.unpack_from(buf, pos)
+        end = pos + 7 + length
+        if (
+            kind != FRAME_HEADER
+            or on != channel
+            or length < 14
+            or (self._frame_max and length > self._frame_max)
+            or size <= end
+            or buf[end] != FRAME_END
+            or class_id != BASIC_CLASS_ID
+            or weight != 0
+        ):
+            return None
+        return bytes(buf[pos + 19 : end]), body_size, end + 1
 
     def take_ack(self, accept: Callable[[int], bool]) -> tuple[int, int, bool] | None:
         """A basic.ack frame at once (a consumer's hot path): (channel, delivery tag,
@@ -729,24 +783,6 @@ class FrameReader:
             return None
         self._pos = pos + _ACK_FRAME.size
         return channel, tag, bool(bits & 1)
-
-    def _frame_end(self, pos: int, frame_type: int, channel: int) -> int:
-        """Where the frame at `pos` ends (its frame-end octet) if it is whole, of
-        `frame_type`, on `channel` (-1: any) and within frame_max; else -1."""
-        buf = self._buf
-        if len(buf) - pos < 7:
-            return -1
-        kind, on, size = _FRAME_HEAD.unpack_from(buf, pos)
-        end: int = pos + 7 + size
-        if (
-            kind != frame_type
-            or (channel >= 0 and on != channel)
-            or (self._frame_max and size > self._frame_max)
-            or len(buf) <= end
-            or buf[end] != FRAME_END
-        ):
-            return -1
-        return end
 
     def _properties_ok(self, raw: bytes) -> bool:
         """Whether content properties are well formed; the last good list is remembered
