@@ -247,3 +247,21 @@ def test_a_single_active_consumer_queue_feeds_only_the_oldest_consumer() -> None
     deliverer.pump(STAGE)
     assert first.unacked == 2
     assert second.unacked == 0
+
+
+def test_rows_claimed_after_stale_ones_of_one_load_go_back_after_them() -> None:
+    """Rows claimed before messages went back are sent back too, and so are the rows of a
+    later claim that share their load: delivering those would put them ahead of the
+    older rows going back (the order of a queue, as RabbitMQ keeps it)."""
+    deliverer, _, _, consumer = deliverer_with_consumer(prefetch=10)
+    deliverer._settle_soon = lambda: None  # type: ignore[method-assign]  # no database here
+    deliverer._start = lambda: None  # type: ignore[method-assign]
+    deliverer.deliver([(1, STAGE)])  # claimed at epoch 0
+    deliverer.unsent(STAGE, [0])  # a message goes back: epoch 1
+    deliverer.deliver([(2, STAGE)])  # claimed at epoch 1, loaded with the first
+    claimed, deliverer._claimed = deliverer._claimed, []
+    rows = {wid: (wid, "", "q", None, None, None, None, None, b"", b"b", None) for wid in (1, 2)}
+    assert deliverer._load(claimed, rows) == set()
+    assert [wid for _, wid in deliverer._outcomes.unsent] == [0, 1, 2]
+    assert not consumer.book.unacked
+    assert not deliverer.ready.get(STAGE)

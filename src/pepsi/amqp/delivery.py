@@ -740,8 +740,8 @@ class Deliverer:
         self, claimed: list[tuple[int, str, int]], rows: Mapping[int, Sequence[Any]]
     ) -> set[str]:
         """Loaded rows into their stages' read-ahead, in claim order; the stages. What
-        the rows of one stage share (its queue, epoch, read-ahead) is looked up once."""
-        stages: dict[str, tuple[int, str, bool, deque[Fetched]]] = {}
+        the rows of one stage share (its queue, read-ahead) is looked up once."""
+        stages: dict[str, tuple[str, bool, deque[Fetched]]] = {}
         loaded: dict[str, int] = {}  # stage -> rows taken off `_loading`
         added: dict[str, int] = {}  # stage -> body bytes added to the read-ahead
         gone: dict[str, list[int]] = {}
@@ -755,8 +755,10 @@ class Deliverer:
             known = stages.get(stage)
             if known is None:
                 known = stages[stage] = self._load_target(stage)
-            current, name, quorum, ready = known
-            if epoch != current:
+            name, quorum, ready = known
+            # read per row: a row sent back below moves the epoch, and the rows after it
+            # (claimed later, before that return is written) must not pass it
+            if epoch != self._epoch.get(stage, 0):
                 if epoch < self._purged.get(stage, 0):  # purged while it was loading
                     self._outcomes.acked.append((stage, wid))
                     self._settle_soon()
@@ -782,14 +784,14 @@ class Deliverer:
             self.link.consumed(stage, ids)
         return set(added)
 
-    def _load_target(self, stage: str) -> tuple[int, str, bool, deque[Fetched]]:
-        """What a load needs of a stage: its epoch, its queue's name, whether the queue
-        counts deliveries (quorum), its read-ahead."""
+    def _load_target(self, stage: str) -> tuple[str, bool, deque[Fetched]]:
+        """What a load needs of a stage: its queue's name, whether the queue counts
+        deliveries (quorum), its read-ahead."""
         queue = self.queues.get(stage)
         ready = self.ready.get(stage)
         if ready is None:
             ready = self.ready[stage] = deque()
-        return self._epoch.get(stage, 0), queue.name if queue else stage, _quorum(queue), ready
+        return queue.name if queue else stage, _quorum(queue), ready
 
     async def _settle_loop(self) -> None:
         delays = self.backoff.delays()
