@@ -302,8 +302,7 @@ def test_repeated_publishes_follow_binding_changes_and_their_own_expiry(
 
     expiring = BasicProperties(expiration="60000")
     ch.basic_publish("", "first", b"5", expiring)
-    time.sleep(0.05)
-    ch.basic_publish("", "first", b"6", expiring)
+    ch.basic_publish("", "first", b"6", expiring)  # confirmed after the first's commit
     expires = conn.execute(
         "SELECT expires FROM pepsi.workqueue WHERE stage = pepsi.amqp_queue_stage('/', 'first')"
         " AND expires IS NOT NULL ORDER BY workqueue_id"

@@ -265,3 +265,21 @@ def test_rows_claimed_after_stale_ones_of_one_load_go_back_after_them() -> None:
     assert [wid for _, wid in deliverer._outcomes.unsent] == [0, 1, 2]
     assert not consumer.book.unacked
     assert not deliverer.ready.get(STAGE)
+
+
+def test_taking_turns_skips_expired_messages_without_using_a_turn() -> None:
+    deliverer, _, (first, second) = consumers_on_one_channel(2, 2)
+    deliverer._settle_soon = lambda: None  # type: ignore[method-assign]  # no database here
+    deliverer.clock = lambda: 100.0
+    deliverer.ready.setdefault(STAGE, deque()).extend([
+        Fetched(1, "", "q", False, 0, 50.0, b"", b"b"),  # expired
+        Fetched(2, "", "q", False, 0, None, b"", b"b"),
+        Fetched(3, "", "q", False, 0, None, b"", b"b"),
+        Fetched(4, "", "q", False, 0, None, b"", b"b"),
+    ])  # fmt: skip
+    deliverer.pump(STAGE)
+    taken = {tag: d.wid for tag, d in first.book.unacked.items()}
+    assert [d.consumer_tag for d in first.book.unacked.values()] == ["c0", "c1", "c0"]
+    assert list(taken.values()) == [2, 3, 4]
+    assert deliverer._outcomes.dead == [(STAGE, 1, "expired")]
+    assert second.unacked == 1

@@ -403,25 +403,15 @@ class Deliverer:
             consumer = self.registry.pick(stage, single)
             if consumer is None:
                 break
-            fetched = ready.popleft()
-            sent_bytes += len(fetched.body)
-            if fetched.expires is not None and fetched.expires <= now:  # expired read ahead
-                self._outcomes.dead.append((stage, fetched.wid, "expired"))
-                expired = True
-                continue
-            book = consumer.book
-            sender: Sender = book.owner  # type: ignore[assignment]
-            tag = book.new_tag()
-            out = frames.get(id(sender))
-            if out is None:
-                out = frames[id(sender)] = (sender, [])
-            out[1].append(sender.delivery_frames(consumer, tag, fetched))
-            if consumer.no_ack:
-                acked.append((stage, fetched.wid))
-            else:
-                book.delivered(
-                    tag, Delivery(fetched.wid, stage, consumer.tag, fetched.delivery_count)
-                )
+            taken, gone, parts = self._pump_one(stage, ready, consumer, now, acked, most=1)
+            sent_bytes += taken
+            expired = expired or gone
+            if parts:
+                sender: Sender = consumer.book.owner  # type: ignore[assignment]
+                out = frames.get(id(sender))
+                if out is None:
+                    out = frames[id(sender)] = (sender, [])
+                out[1].extend(parts)
         return sent_bytes, expired, frames
 
     def _pump_one(
@@ -431,14 +421,18 @@ class Deliverer:
         consumer: Consumer,
         now: float,
         acked: list[tuple[str, int]],
+        *,
+        most: int | None = None,
     ) -> tuple[int, bool, list[bytes]]:
-        """`pump` for a stage's only active consumer: what its credit allows, taken in one
-        run (its credit counted down here instead of asked per message, its book written
-        directly). The bytes taken from the read-ahead, whether some had expired, and the
-        frames to send."""
+        """What `consumer`'s credit allows (at `most` messages), taken from the read-ahead
+        in one run: its credit counted down here instead of asked per message, its book
+        written directly; expired messages go to be dead-lettered on the way. The bytes
+        taken from the read-ahead, whether some had expired, and the frames to send."""
         book = consumer.book
         # A no-ack consumer's credit does not go down as it is sent messages: all of them.
         credit = len(ready) if consumer.no_ack and consumer.credit() else consumer.credit()
+        if most is not None:
+            credit = min(credit, most)
         if not credit:
             return 0, False, []
         sender: Sender = book.owner  # type: ignore[assignment]
