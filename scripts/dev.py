@@ -23,10 +23,17 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 BIN = VENV / "bin"
 STAMP = VENV / ".pepsi-install-stamp"
-# Programs from the system the tests need, and the Debian package of each:
-# etcd is Patroni's store in the three-node cluster tests (tests/cluster/).
-# program -> Debian package: the cluster tests' etcd, the browser tests' Chromium and driver
-SYSTEM_PACKAGES = {"etcd": "etcd-server", "chromium": "chromium", "chromedriver": "chromium-driver"}
+# Programs from the system the tests need -> the Debian package of each: etcd is
+# Patroni's store in the three-node cluster tests (tests/cluster/), Chromium and its
+# driver run the browser tests, swaks is a real SMTP client for the mail ingress
+# tests, and openssl makes their certificate.
+SYSTEM_PACKAGES = {
+    "etcd": "etcd-server",
+    "chromium": "chromium",
+    "chromedriver": "chromium-driver",
+    "swaks": "swaks libnet-ssleay-perl",  # the Perl module is its TLS (a Recommends)
+    "openssl": "openssl",
+}
 QUICK = "not cluster and not browser"  # the tests run four at a time
 NO_TESTS_COLLECTED = 5  # pytest's status when a selection matches no test
 
@@ -51,12 +58,17 @@ def ensure_venv() -> None:
 
 def ensure_system_packages() -> None:
     """Install the missing system packages with apt-get (as root); else say what is missing."""
-    missing = [pkg for program, pkg in SYSTEM_PACKAGES.items() if shutil.which(program) is None]
+    missing = [
+        package
+        for program, packages in SYSTEM_PACKAGES.items()
+        if shutil.which(program) is None
+        for package in packages.split()
+    ]
     if not missing:
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         print(
-            f"dev.py: {', '.join(missing)} missing: the cluster or browser tests will be skipped "
+            f"dev.py: {', '.join(missing)} missing: the tests that need them will be skipped "
             f"(install with: sudo apt-get install {' '.join(missing)})",
             file=sys.stderr,
         )

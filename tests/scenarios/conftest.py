@@ -175,3 +175,20 @@ def pipeline(dsn: str, tmp_path: Path) -> Iterator[Pipeline]:
     p = Pipeline(dsn, tmp_path)
     yield p
     p.close()
+
+
+@pytest.fixture
+def ingress(dsn: str, tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """Start `pepsi ingress --serve` processes (tests/mail_server.py); all killed at the end."""
+    from tests.mail_server import IngressProcess  # noqa: PLC0415  # only the mail tests
+
+    started: list[IngressProcess] = []
+
+    def start(ingress: str = "", stages: str = "", name: str = "ingress") -> IngressProcess:
+        process = IngressProcess(dsn, tmp_path, ingress, stages, name)
+        started.append(process)
+        return process.start()
+
+    yield start
+    for process in started:
+        process.close()

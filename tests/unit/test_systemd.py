@@ -262,3 +262,30 @@ def test_systemd_analyze_verify_catches_a_missing_program(tmp_path: Path) -> Non
     result = _verify(render_unit(tmp_path / "absent" / "pepsi", "/etc/p.conf"), tmp_path)
     assert result.returncode != 0
     assert "is not executable" in result.stderr
+
+
+def test_the_ingress_unit_runs_the_server_and_may_bind_port_25(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["systemd", "unit", "ingress", "--exec", "/usr/bin/pepsi"]) == 0
+    unit = parse_unit(capsys.readouterr().out)
+    service = unit["Service"]
+    assert split_command(only(unit, "Service", "ExecStart")) == [
+        "/usr/bin/pepsi", "-c", str(DEFAULT_CONFIG), "ingress", "--serve",
+    ]  # fmt: skip
+    assert service["Restart"] == ["always"]
+    assert unit["Unit"]["StartLimitIntervalSec"] == ["0"]
+    assert service["AmbientCapabilities"] == ["CAP_NET_BIND_SERVICE"]
+    assert service["KillSignal"] == ["SIGTERM"]
+    assert int(service["LimitNOFILE"][0]) > 1024  # one file per session
+    assert shipped_unit("ingress") != shipped_unit()
+
+
+@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verify_accepts_the_ingress_unit(tmp_path: Path) -> None:
+    program = tmp_path / "pepsi"
+    program.write_text("#!/bin/sh\n", encoding="utf-8")
+    program.chmod(0o755)
+    result = _verify(render_unit(program, tmp_path / "pepsi.conf", unit="ingress"), tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert _unexpected(result.stderr) == []

@@ -58,7 +58,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "ingress",
         "ingress_cmd",
-        "publish messages (stdin, files or JSON lines); prints their ids",
+        "publish messages (stdin, files or JSON lines); --serve: the SMTP/LMTP server",
         aliases=("publish",),
     ),
     Command(
@@ -69,9 +69,10 @@ COMMANDS: tuple[Command, ...] = (
     Command("queue", "queue_cmd", "inspect and repair the queue"),
     Command("settings", "settings_cmd", "per-address overrides of stage options"),
     Command("amqp", "amqp_cmd", "AMQP users, vhosts and permissions"),
+    Command("mail", "mail_cmd", "users who may log in to the SMTP/LMTP ingress"),
     Command("top", "top_cmd", "live view: backlog, workers and rates per stage"),
     Command("web", "web_cmd", "the web console: see the pipeline and repair it in a browser"),
-    Command("systemd", "systemd_cmd", "print the dispatcher's systemd unit"),
+    Command("systemd", "systemd_cmd", "print the dispatcher's or the ingress's systemd unit"),
     Command("telemetry", "telemetry_cmd", "turn feature telemetry on or off; show its status"),
     Command("worker", "worker_cmd", "run one stage's worker (started by the dispatcher)"),
 )

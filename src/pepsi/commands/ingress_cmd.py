@@ -1,9 +1,12 @@
-"""`pepsi ingress` (alias `pepsi-ingress`, and `pepsi publish`): the command-line producer.
+"""`pepsi ingress` (alias `pepsi-ingress`, and `pepsi publish`): the producer, and the mail server.
 
 Reads one message from stdin, one per FILE, or a stream of JSON lines, and
 publishes with the same guarantees as the API: an id is printed only once
 its batch is committed (the confirm). `--count`/`--rate` make it a load
 generator. Any refusal exits non-zero with one line saying why.
+
+`--serve` runs the SMTP/LMTP server of `[pepsi-ingress]` instead
+(`pepsi.mail.server`, docs/mail.md) until SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -45,7 +48,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help=summary("ingress"),
         description="Publish messages and print each new id once committed. Without FILE, "
         "stdin is one message (or, with --format jsonl, one JSON object per line). Exit "
-        "65 invalid message, 67 no such stage, 75 stage full, 74 confirm lost, 1 other errors.",
+        "65 invalid message, 67 no such stage, 75 stage full, 74 confirm lost, 1 other errors. "
+        "With --serve: run the SMTP/LMTP server configured in [pepsi-ingress] (LISTEN, "
+        "LMTP_LISTEN, STAGE, DOMAINS, RELAY_NETWORKS ...; see docs/mail.md); each message is "
+        "answered 250 only once its row is committed. It stops on SIGTERM or SIGINT (exit 0); "
+        "exit 1 for a configuration it cannot serve or a database it cannot reach, 78 for a "
+        "schema of another version.",
+    )
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="run the SMTP/LMTP server of [pepsi-ingress] instead of publishing (docs/mail.md)",
     )
     parser.add_argument(
         "files", nargs="*", metavar="FILE", help="one message per file ('-': stdin)"
@@ -186,6 +199,8 @@ def messages(args: argparse.Namespace, stdin: IO[bytes]) -> Iterator[OutgoingMes
 
 
 def run_ingress(args: argparse.Namespace, ctx: Context) -> int:
+    if args.serve:
+        return _serve(args, ctx)
     if args.count < 1 or args.batch < 1 or (args.rate is not None and args.rate <= 0):
         raise _Usage("--count and --batch must be at least 1, --rate above 0")
     stdin = sys.stdin.buffer
@@ -231,3 +246,25 @@ def _flush(
     count = len(pending)
     pending.clear()
     return count
+
+
+# What the producer's options are when none is given: --serve takes none of them.
+_PRODUCER_DEFAULTS: dict[str, object] = {
+    "files": [], "stage": None, "format": "raw", "sender": None, "recipients": [], "user": None,
+    "peer": None, "message_id": None, "dedup": False, "subject": None, "header_from": None,
+    "content_type": None, "correlation_id": None, "property": [], "expires": None, "count": 1,
+    "rate": None, "batch": 100, "quiet": False,
+}  # fmt: skip
+
+
+_OPTION_NAMES = {"files": "FILE", "recipients": "--recipient"}
+
+
+def _serve(args: argparse.Namespace, ctx: Context) -> int:
+    given = sorted(k for k, default in _PRODUCER_DEFAULTS.items() if getattr(args, k) != default)
+    if given:
+        names = ", ".join(_OPTION_NAMES.get(k) or "--" + k.replace("_", "-") for k in given)
+        raise _Usage(f"--serve takes no publishing option (got {names})")
+    from pepsi.mail.server import serve  # noqa: PLC0415  # aiosmtpd only for the server
+
+    return serve(ctx.config(), verbose=ctx.verbose)

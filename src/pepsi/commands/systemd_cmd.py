@@ -1,18 +1,21 @@
-"""`pepsi systemd unit`: print the dispatcher's systemd unit, pepsi-dispatch.service.
+"""`pepsi systemd unit [dispatch|ingress]`: print pepsi-dispatch.service or pepsi-ingress.service.
 
-The unit ships in the package (pepsi/data/pepsi-dispatch.service, SPEC P-15):
-Restart=always with no start limit, restarts spaced from 2 s up to one a
-minute (RestartSteps=, RestartMaxDelaySec=: systemd 254 or later), SIGTERM to
-the dispatcher alone and a stop timeout longer than its own shutdown. This
-command prints it with the paths of this installation filled in:
+The units ship in the package (pepsi/data/): Restart=always with no start
+limit, restarts spaced from 2 s up to one a minute (RestartSteps=,
+RestartMaxDelaySec=: systemd 254 or later) and a stop timeout longer than the
+program's own shutdown. The dispatcher's (SPEC P-15) sends SIGTERM to the
+dispatcher alone; the ingress's (docs/mail.md) may bind port 25 as an
+unprivileged user. This command prints one with the paths of this
+installation filled in:
 
-  ExecStart=        PROGRAM -c CONFIG dispatch serve
+  ExecStart=        PROGRAM -c CONFIG dispatch serve   (or: ingress --serve)
   EnvironmentFile=  the environment file (a leading '-': read only if it exists)
-  User=             the user the dispatcher runs as
+  User=             the user the program runs as
 
-Install it with
+Install one with
 
   pepsi systemd unit | sudo tee /etc/systemd/system/pepsi-dispatch.service
+  pepsi systemd unit ingress | sudo tee /etc/systemd/system/pepsi-ingress.service
   sudo systemctl daemon-reload && sudo systemctl enable --now pepsi-dispatch
 
 See "Running under systemd" in docs/operations.md.
@@ -31,6 +34,11 @@ from pepsi.commands import Context, summary
 from pepsi.errors import EX_OK, UsageError
 
 UNIT_NAME = "pepsi-dispatch.service"
+# The programs with a unit: their unit file and the arguments after `-c CONFIG`.
+UNITS = {
+    "dispatch": ("pepsi-dispatch.service", "dispatch serve"),
+    "ingress": ("pepsi-ingress.service", "ingress --serve"),
+}
 DEFAULT_CONFIG = Path("/etc/pepsi/pepsi.conf")
 DEFAULT_ENVIRONMENT_FILE = "-/etc/default/pepsi"
 DEFAULT_USER = "pepsi"
@@ -41,9 +49,10 @@ _PLAIN_WORD = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def shipped_unit() -> str:
-    """The unit as the package ships it (with its default paths)."""
-    return (resources.files("pepsi") / "data" / UNIT_NAME).read_text(encoding="utf-8")
+def shipped_unit(program: str = "dispatch") -> str:
+    """The unit of `program` as the package ships it (with its default paths)."""
+    name = UNITS[program][0]
+    return (resources.files("pepsi") / "data" / name).read_text(encoding="utf-8")
 
 
 def default_executable() -> Path:
@@ -63,8 +72,10 @@ def render_unit(
     config: Path | str,
     environment_file: str | None = DEFAULT_ENVIRONMENT_FILE,
     user: str | None = DEFAULT_USER,
+    unit: str = "dispatch",
 ) -> str:
-    """The shipped unit with ExecStart=, EnvironmentFile= and User= set.
+    """The shipped unit of `unit` (dispatch or ingress) with ExecStart=,
+    EnvironmentFile= and User= set.
 
     Relative paths are taken from the current directory. `environment_file`
     may start with '-' (an optional file); None or "" drops EnvironmentFile=,
@@ -72,13 +83,13 @@ def render_unit(
     """
     config_word = quote_word(_absolute(config, "--config-file"))
     values = {
-        "ExecStart": f"{_executable(program)} -c {config_word} dispatch serve",
+        "ExecStart": f"{_executable(program)} -c {config_word} {UNITS[unit][1]}",
         "EnvironmentFile": _environment_file(environment_file) if environment_file else None,
         "User": _user(user) if user else None,
     }
     lines = []
     replaced = set()
-    for line in shipped_unit().splitlines(keepends=True):
+    for line in shipped_unit(unit).splitlines(keepends=True):
         key, equals, _ = line.partition("=")
         if not equals or key not in values:
             lines.append(line)
@@ -87,7 +98,7 @@ def render_unit(
         if values[key] is not None:
             lines.append(f"{key}={values[key]}\n")
     # A shipped unit without one of these lines is a packaging bug, not a user's mistake.
-    assert replaced == set(values), f"{UNIT_NAME} lacks {set(values) - replaced}"
+    assert replaced == set(values), f"{UNITS[unit][0]} lacks {set(values) - replaced}"
     return "".join(lines)
 
 
@@ -148,9 +159,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     unit = actions.add_parser(
         "unit",
-        help=f"print {UNIT_NAME} with this installation's paths",
+        help="print pepsi-dispatch.service or pepsi-ingress.service with this installation's paths",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    unit.add_argument(
+        "program",
+        nargs="?",
+        default="dispatch",
+        choices=sorted(UNITS),
+        metavar="PROGRAM",
+        help="dispatch (default): the dispatcher's unit; ingress: the SMTP/LMTP server's",
     )
     unit.add_argument(
         "--config-file",
@@ -170,7 +189,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--user",
         metavar="USER",
         default=DEFAULT_USER,
-        help=f"the user the dispatcher runs as; '' for root (default {DEFAULT_USER})",
+        help=f"the user the program runs as; '' for root (default {DEFAULT_USER})",
     )
     unit.add_argument(
         "--exec",
@@ -185,5 +204,5 @@ def run_unit(args: argparse.Namespace, ctx: Context) -> int:
     program = args.exec if args.exec is not None else default_executable()
     if config is None:
         config = DEFAULT_CONFIG
-    sys.stdout.write(render_unit(program, config, args.environment_file, args.user))
+    sys.stdout.write(render_unit(program, config, args.environment_file, args.user, args.program))
     return EX_OK

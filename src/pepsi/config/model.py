@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from ipaddress import IPv4Network, IPv6Network
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 OVERLAY_ORIGIN = "pepsi.config_override"
 STAGE_PREFIX = "stage-"
 MIB = 1024 * 1024
+IPNetwork = IPv4Network | IPv6Network
 
 # A stage's failure timing (W-3): the first host-failure retry after a
 # minute, doubling up to an hour, for at most 120 hours in the system.
@@ -84,8 +86,24 @@ class PostgresOptions:
 
 @dataclass(frozen=True)
 class IngressOptions:
+    """Publishing limits, and the SMTP/LMTP server `pepsi ingress --serve` (docs/mail.md)."""
+
     dedup_window: float = 24 * 3600.0
     max_message_size: int = 64 * MIB
+    # The mail server: off until LISTEN or LMTP_LISTEN is set.
+    listen: tuple[tuple[str, int], ...] = ()  # SMTP
+    lmtp_listen: tuple[str, int] | Path | None = None  # HOST:PORT or a UNIX socket
+    stage: str | None = None  # where every accepted message starts
+    domains: tuple[str, ...] = ()  # accepted from anyone (lower case; ".d" = subdomains)
+    relay_networks: tuple[IPNetwork, ...] = ()  # may send to any domain
+    max_size: int = 25 * MIB  # SIZE: the largest message, as the client sends it
+    max_recipients: int = 100
+    hostname: str | None = None  # None: the machine's fully qualified name
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    timeout: float = 300.0  # a command, or a chunk of DATA, must arrive within this
+    max_connections: int = 1000  # sessions at once; more are told 421 and closed
+    client_connection_limit: int = 50  # sessions per client (an IPv6 one by /64); 0: none
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pepsi.config import values as v
 from pepsi.config.graph import validate_graph
+from pepsi.config.ingress import INGRESS_KEYS, ingress_options
 from pepsi.config.model import (
     MIB,
     OVERLAY_ORIGIN,
@@ -25,7 +26,6 @@ from pepsi.config.model import (
     BouncerOptions,
     Config,
     DispatchOptions,
-    IngressOptions,
     PepsiOptions,
     PostgresOptions,
     RawSections,
@@ -190,10 +190,6 @@ POSTGRES_KEYS: Spec = {
     "POOL_MAX_SIZE": ("pool_max_size", v.integer(1, 1000)),
     "CONNECT_TIMEOUT": ("connect_timeout", v.duration(1.0)),
 }
-INGRESS_KEYS: Spec = {
-    "DEDUP_WINDOW": ("dedup_window", v.duration(1.0)),
-    "MAX_MESSAGE_SIZE": ("max_message_size", v.size(1024, 512 * MIB)),
-}
 BOUNCER_KEYS: Spec = {
     "SINK": ("sink", v.sink),
     "INTERVAL": ("interval", v.duration(0.1)),
@@ -328,7 +324,9 @@ def parse_config(raw: RawSections, path: Path | None = None) -> Config:
         pepsi=PepsiOptions(**parsed.get("pepsi", {})),
         dispatch=dispatch,
         postgres=postgres,
-        ingress=IngressOptions(**parsed.get("pepsi-ingress", {})),
+        ingress=ingress_options(
+            parsed.get("pepsi-ingress", {}), raw.get("pepsi-ingress", {}), stages, file
+        ),
         bouncer=bouncer,
         amqp=amqp,
         web=WebOptions(**parsed.get("pepsi-web", {})),

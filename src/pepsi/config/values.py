@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from ipaddress import IPv4Network, IPv6Network, ip_network
 from pathlib import Path
 
 from pepsi.config.model import MIB, Overflow
@@ -164,3 +165,66 @@ def sink(text: str) -> str | None:
     if value.lower() == "table":
         return None
     return stage_ref(value)
+
+
+def listen_addresses(text: str) -> tuple[tuple[str, int], ...]:
+    """A list of HOST:PORT separated by commas or spaces; `off` or empty: none."""
+    words = text.replace(",", " ").split()
+    if [w.lower() for w in words] in ([], ["off"], ["no"]):
+        return ()
+    found = []
+    for word in words:
+        address = listen_address(word)
+        if address is None:
+            raise ValueError(f"expected HOST:PORT, got {word!r} in {text!r}")
+        found.append(address)
+    return tuple(found)
+
+
+def address_or_socket(text: str) -> tuple[str, int] | Path | None:
+    """HOST:PORT, an absolute path (a UNIX socket), or `off`."""
+    value = text.strip()
+    if value.startswith("/"):
+        return Path(value)
+    try:
+        return listen_address(value)
+    except ValueError:
+        raise ValueError(
+            f"expected HOST:PORT, the absolute path of a UNIX socket, or off; got {text!r}"
+        ) from None
+
+
+# A domain name: labels of letters (any script), digits and hyphens, dot-separated.
+_DOMAIN = re.compile(r"(?:[^\W_](?:[\w-]{0,61}[^\W_])?\.)*[^\W_](?:[\w-]{0,61}[^\W_])?")
+
+
+def domain_names(text: str) -> tuple[str, ...]:
+    """Domains separated by commas or spaces, lower-cased; `.example.com` means its subdomains."""
+    found: list[str] = []
+    for word in text.replace(",", " ").split():
+        name = word.lower().rstrip(".") if word != "." else word
+        bare = name[1:] if name.startswith(".") else name
+        if not _DOMAIN.fullmatch(bare) or len(bare) > 253:
+            raise ValueError(f"not a domain name: {word!r}")
+        if name not in found:
+            found.append(name)
+    return tuple(found)
+
+
+def networks(text: str) -> tuple[IPv4Network | IPv6Network, ...]:
+    """IP networks (`10.0.0.0/8`, `2001:db8::/32`, or one address) separated by commas or spaces."""
+    found = []
+    for word in text.replace(",", " ").split():
+        try:
+            found.append(ip_network(word, strict=False))
+        except ValueError:
+            raise ValueError(f"not an IP network such as 192.0.2.0/24: {word!r}") from None
+    return tuple(found)
+
+
+def host_name(text: str) -> str:
+    """A host name for the SMTP banner and Received: (letters, digits, '-' and '.')."""
+    value = text.strip().rstrip(".")
+    if not re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", value):
+        raise ValueError(f"not a host name: {text!r}")
+    return value

@@ -204,6 +204,11 @@ def _text(name: str, value: object, *, empty: bool = False) -> str | None:
     return value
 
 
+def is_address(text: str) -> bool:
+    """Whether `text` is an address a message can carry (local@domain, as `validate` checks)."""
+    return len(text) <= MAX_TEXT and _ADDRESS.fullmatch(text) is not None
+
+
 def _address(name: str, value: object, *, null_ok: bool = False) -> str | None:
     text = _text(name, value, empty=null_ok)
     if text is None or (null_ok and text == ""):

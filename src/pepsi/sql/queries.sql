@@ -1037,3 +1037,24 @@ WHERE workqueue_id = ANY(%(ids)s::bigint[]) AND status = 'running' AND stage = %
 -- The consumers' outcomes connection: an ack lost with a crash is a redelivery, which
 -- at-least-once allows (no client waits on it), so no commit waits for the disk.
 SET synchronous_commit = off;
+
+-- name: mail_user_insert
+INSERT INTO pepsi.mail_user (name, password_hash)
+VALUES (%(name)s, %(password_hash)s)
+ON CONFLICT (name) DO NOTHING
+RETURNING name, created, updated;
+
+-- name: mail_user_get
+-- The ingress's AUTH: the stored hash of one user (no row: no such user).
+SELECT password_hash FROM pepsi.mail_user WHERE name = %(name)s;
+
+-- name: mail_user_list
+SELECT name, created, updated FROM pepsi.mail_user ORDER BY name;
+
+-- name: mail_user_delete
+DELETE FROM pepsi.mail_user WHERE name = %(name)s RETURNING name;
+
+-- name: mail_user_set_password
+UPDATE pepsi.mail_user SET password_hash = %(password_hash)s, updated = now()
+WHERE name = %(name)s
+RETURNING name;

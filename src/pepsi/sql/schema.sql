@@ -1150,3 +1150,12 @@ BEGIN
     RETURN touched = 1;
 END;
 $$;
+
+-- The users who may log in to the SMTP/LMTP ingress (AUTH PLAIN, LOGIN), as
+-- pepsi.amqp_user: password_hash is a scrypt string, never the password.
+CREATE TABLE pepsi.mail_user (
+    name          text PRIMARY KEY CHECK (name <> '' AND octet_length(name) <= 255),
+    password_hash text NOT NULL,
+    created       timestamptz NOT NULL DEFAULT now(),
+    updated       timestamptz NOT NULL DEFAULT now()
+);

@@ -1,0 +1,16 @@
+"""Mail: the SMTP/LMTP ingress (SPEC M-1 to M-3).
+
+Cut as Postfix cuts its programs, with the decisions apart from the I/O:
+
+- `replies.py`: every reply the server gives, with its enhanced status code;
+- `envelope.py`: MAIL and RCPT parameters (SIZE, BODY, SMTPUTF8, RET, ENVID,
+  NOTIFY, ORCPT) and what a row keeps of them;
+- `content.py`: the DATA stream (its end, dot-stuffing, bare line feeds) and
+  the header block (split, Message-ID/From/Subject, `Received:`);
+- `policy.py`: who may relay, connection admission, the AUTH slow-down;
+- `committer.py`: accepted messages into shared commits, outcomes as replies;
+- `session.py`: the SMTP and LMTP sessions, on aiosmtpd;
+- `server.py`: `pepsi ingress --serve`, its listeners and its lifetime.
+
+Every module but the last three is pure and tested without a socket.
+"""
