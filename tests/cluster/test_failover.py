@@ -8,6 +8,7 @@ at a time and a dispatcher runs a two-stage pipeline.
 
 from __future__ import annotations
 
+import smtplib
 import threading
 import time
 from pathlib import Path
@@ -253,5 +254,37 @@ def test_both_standbys_down_nothing_is_confirmed(healthy: Cluster, tmp_path: Pat
         assert row[0] == again
     finally:
         publisher.close()
+        for node in standbys:
+            cluster.start_node(node)
+
+
+def test_smtp_gets_no_250_without_the_quorum(healthy: Cluster, tmp_path: Path) -> None:
+    """M-1 on a cluster: the ingress's 250 comes after the quorum commit, never before."""
+    from tests.mail_server import IngressProcess, message, queued_id  # noqa: PLC0415
+
+    cluster = healthy
+    dsn = fresh_database(cluster, "smtp")
+    server = IngressProcess(dsn, tmp_path, "TIMEOUT = 3s").start()
+    standbys = [n for n in NODES if n != cluster.leader()]
+    try:
+        with smtplib.SMTP(*server.smtp, timeout=60) as client:
+            client.ehlo("client.test")
+            client.mail("a@sender.org")
+            client.rcpt("bob@example.com")
+            code, reply = client.data(message("with quorum", Message_ID="<q1@sender.org>"))
+            assert code == 250
+            assert _visible(dsn, "<q1@sender.org>") == 1
+            queued_id(reply)
+            for node in standbys:
+                cluster.kill(node)
+            client.mail("a@sender.org")
+            client.rcpt("bob@example.com")
+            started = time.monotonic()
+            code, reply = client.data(message("no quorum", Message_ID="<q2@sender.org>"))
+            assert (code, reply[:5]) == (451, b"4.3.0")
+            assert time.monotonic() - started < 30
+        assert _visible(dsn, "<q2@sender.org>") == 0  # its commit still waits for a standby
+    finally:
+        server.close()
         for node in standbys:
             cluster.start_node(node)

@@ -11,6 +11,7 @@ import base64
 import getpass
 import shutil
 import smtplib
+import socket
 import ssl
 import subprocess
 import sys
@@ -444,3 +445,18 @@ def test_sigterm_stops_the_server_cleanly(ingress: Callable[..., IngressProcess]
     assert idle.reply()[0].startswith("421 4.3.2")
     idle.close()
     wait_until(lambda: "stopped" in server.log, what="the ingress's last log line")
+
+
+def test_a_port_in_use_is_one_line_and_exit_1(tmp_path: Path, dsn: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = IngressProcess(dsn, tmp_path, f"LISTEN = 127.0.0.1:{port}")
+        result = subprocess.run(
+            [sys.executable, "-m", "pepsi", "-c", str(server.conf), "ingress", "--serve"],
+            capture_output=True, text=True, cwd=REPO, timeout=60, check=False, env=server.env(),
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("pepsi: cannot listen: ")
+    assert "Traceback" not in result.stderr

@@ -27,7 +27,7 @@ from pepsi.admin import mail_users
 from pepsi.amqp import passwords
 from pepsi.config import Config
 from pepsi.db import connect as db_connect
-from pepsi.errors import EX_OK, ConfigError
+from pepsi.errors import EX_OK, ConfigError, PepsiError
 from pepsi.mail import replies
 from pepsi.mail.committer import Committer
 from pepsi.mail.session import Ingress, LmtpSession, SmtpSession
@@ -101,7 +101,9 @@ class IngressServer:
     async def run(self, stop: asyncio.Event) -> int:
         config = self.config
         dsn = (await asyncio.to_thread(db_connect.resolve, config)).dsn
-        publisher = AsyncPublisher(config, dsn)
+        # A commit that waits longer than TIMEOUT for its confirm (a cluster without its
+        # quorum) is answered 451: the client keeps the message and tries again.
+        publisher = AsyncPublisher(config, dsn, confirm_timeout=config.ingress.timeout)
         await publisher.open()
         committer = Committer(publisher)
         committer.start()
@@ -122,7 +124,10 @@ class IngressServer:
         )
         raise_file_limit(config.ingress.max_connections + 64)
         try:
-            await self._listen(ingress)
+            try:
+                await self._listen(ingress)
+            except OSError as exc:  # a port in use, an address not on this host, a bad path
+                raise PepsiError(f"cannot listen: {exc.strerror or exc}") from None
             log.info(
                 "pepsi-ingress: accepting mail for stage %s on %s",
                 self.stage,
