@@ -160,11 +160,14 @@ class PepsiMail:
         row = self.db.execute("SELECT count(*) FROM pepsi.workqueue").fetchone()
         return row is not None and row[0] == 0
 
-    def close(self) -> None:
+    def close(self) -> str:
+        """Stop both; the ingress's last line (messages stored, commits)."""
         for proc in (self.ingress, self.dispatcher):
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
         self.db.close()
+        lines = (self.logs / "ingress.log").read_text().splitlines()
+        return next((line for line in reversed(lines) if "stopped:" in line), "")
 
 
 class Postfix:
@@ -245,7 +248,7 @@ def phase(system: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextmanager
-def systems(tmp: Path) -> Iterator[tuple[PepsiMail, Postfix]]:
+def systems(tmp: Path, summary: dict[str, str]) -> Iterator[tuple[PepsiMail, Postfix]]:
     pepsi = PepsiMail(tmp)
     try:
         postfix = Postfix(tmp)
@@ -254,7 +257,7 @@ def systems(tmp: Path) -> Iterator[tuple[PepsiMail, Postfix]]:
         finally:
             postfix.close()
     finally:
-        pepsi.close()
+        summary["ingress"] = pepsi.close().partition("pepsi-ingress: ")[2]
 
 
 def run_rounds(pepsi: PepsiMail, postfix: Postfix, args: argparse.Namespace) -> list[Any]:
@@ -283,9 +286,10 @@ def main() -> int:
         tool(program)
     if os.geteuid() != 0:
         raise SystemExit("bench/mail.py: run as root (Postfix's queue belongs to user postfix)")
+    summary: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="pepsi-bench-mail-") as tmp:
         Path(tmp).chmod(0o755)  # Postfix's own users walk into its queue
-        with systems(Path(tmp)) as (pepsi, postfix):
+        with systems(Path(tmp), summary) as (pepsi, postfix):
             rounds = run_rounds(pepsi, postfix, args)
     pepsi_rates = [r["pepsi"]["rate"] for r in rounds]
     postfix_rates = [r["postfix"]["rate"] for r in rounds]
@@ -298,6 +302,7 @@ def main() -> int:
         "postfix_rate_median": statistics.median(postfix_rates),
         "ratios": ratios,
         "ratio_median": statistics.median(ratios),
+        "ingress_commits": summary.get("ingress", ""),  # warm-up included
     }
     print(json.dumps(result, indent=2))
     print(

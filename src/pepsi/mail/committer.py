@@ -26,7 +26,10 @@ log = logging.getLogger("pepsi.ingress")
 # Messages in commits at once; sessions past it wait for a slot before their reply.
 MAX_OUTSTANDING = 1000
 MAX_BATCH = 200  # messages per commit
-COMMITTERS = 2  # commits under way at once, each on its own connection
+# Commits under way at once. One: what arrives during a commit waits for the next, so
+# each commit takes more (under smtp-source -s 20: 5.2 messages a commit instead of
+# 3.7 with two, and 10 % more messages a second on two cores).
+COMMITTERS = 1
 
 
 def reply_for(error: BaseException) -> Reply:
@@ -44,6 +47,11 @@ class Committer:
     def __init__(self, publisher: AsyncPublisher) -> None:
         self.publisher = publisher
         self.pipeline: Pipeline | None = None
+        self.stored = 0  # messages answered 250
+
+    @property
+    def commits(self) -> int:
+        return 0 if self.pipeline is None else self.pipeline.batches
 
     def start(self) -> None:
         self.pipeline = self.publisher.pipeline(
@@ -66,6 +74,7 @@ class Committer:
         except Exception:
             log.exception("id %s not stored", queue_id)
             return replies.NOT_STORED, None
+        self.stored += 1
         return replies.QUEUED.with_text(f"Queued as {workqueue_id}"), workqueue_id
 
     async def close(self) -> None:

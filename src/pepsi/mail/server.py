@@ -140,7 +140,11 @@ class IngressServer:
             await committer.close()
             await publisher.close()
             self.hashing.shutdown(wait=False)
-        log.info("pepsi-ingress: stopped")
+        log.info(
+            "pepsi-ingress: stopped: %d messages stored in %d commits since start",
+            committer.stored,
+            committer.commits,
+        )
         return EX_OK
 
     async def _listen(self, ingress: Ingress) -> None:

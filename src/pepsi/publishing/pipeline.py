@@ -49,6 +49,7 @@ class Pipeline:
         self.queue: asyncio.Queue[tuple[OutgoingMessage, asyncio.Future[int]]] = asyncio.Queue()
         self.senders = [asyncio.create_task(self._send()) for _ in range(concurrency)]
         self.outstanding: set[asyncio.Future[int]] = set()
+        self.batches = 0  # transactions sent, confirmed or not
 
     async def submit(self, message: OutgoingMessage) -> asyncio.Future[int]:
         if message.stage not in self.publisher.config.stages:
@@ -70,6 +71,7 @@ class Pipeline:
             items = [await self.queue.get()]
             while len(items) < self.max_batch and not self.queue.empty():
                 items.append(self.queue.get_nowait())
+            self.batches += 1
             try:
                 ids = await self.publisher.publish_many([m for m, _ in items])
             except Exception as exc:  # noqa: BLE001  # each future carries its batch's refusal
