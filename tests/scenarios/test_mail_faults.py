@@ -87,27 +87,37 @@ def test_the_database_going_away_is_451_and_its_return_needs_no_restart(
     ingress: Callable[..., IngressProcess], dsn: str, admin_dsn: str, db: psycopg.Connection[Any]
 ) -> None:
     server = ingress()
-    assert send(server.smtp, "before")[0] == 250
-    database = sql.Identifier(str(conninfo.conninfo_to_dict(dsn)["dbname"]))
-    with psycopg.connect(admin_dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(database))
-        try:
-            ended = admin.execute(
-                "SELECT count(pg_terminate_backend(pid, 10000)) FROM pg_stat_activity"
-                " WHERE datname = %s AND application_name = 'pepsi-publish'",
-                (conninfo.conninfo_to_dict(dsn)["dbname"],),
-            ).fetchone()
-            assert ended is not None
-            assert ended[0] >= 1
-            for attempt in range(3):  # a broken connection, then no connection at all
-                code, reply = send(server.smtp, f"during-{attempt}")
-                assert (code, reply[:5]) == (451, b"4.3.0")
-        finally:
-            admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(database))
-    code, reply = send(server.smtp, "after")
-    assert code == 250
-    stored = copies(db)
-    assert stored == {"before": 1, "after": 1}  # a 451 stored nothing
+    name = str(conninfo.conninfo_to_dict(dsn)["dbname"])
+    database = sql.Identifier(name)
+
+    def transaction(client: smtplib.SMTP, subject: str) -> tuple[int, bytes]:
+        client.mail("a@sender.org")
+        client.rcpt("bob@example.com")
+        return client.data(message(subject))
+
+    with smtplib.SMTP(*server.smtp, timeout=60) as client:  # one session through it all
+        client.ehlo("client.test")
+        assert transaction(client, "before")[0] == 250
+        with psycopg.connect(admin_dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(database))
+            try:
+                ended = admin.execute(
+                    "SELECT count(pg_terminate_backend(pid, 10000)) FROM pg_stat_activity"
+                    " WHERE datname = %s AND application_name = 'pepsi-publish'",
+                    (name,),
+                ).fetchone()
+                assert ended is not None
+                assert ended[0] >= 1
+                for attempt in range(3):  # a broken connection, then no connection at all
+                    code, reply = transaction(client, f"during-{attempt}")
+                    assert (code, reply[:5]) == (451, b"4.3.0")
+                assert send(server.smtp, "another session")[0] == 451
+            finally:
+                admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(database))
+        assert transaction(client, "after, same session")[0] == 250
+    assert send(server.smtp, "after, new session")[0] == 250
+    # a 451 stored nothing; the server was never restarted
+    assert copies(db) == {"before": 1, "after, same session": 1, "after, new session": 1}
     assert server.alive()
 
 
