@@ -162,3 +162,33 @@ def test_received_names_the_client_the_server_and_a_lone_recipient() -> None:
         b"Received: from unknown (local)\r\n"
         b"\tby mx (Pepsi) with LMTP id Q; Sat, 05 Dec 2026 01:02:03 +0000\r\n"
     )
+
+
+def test_a_received_message_as_its_row() -> None:
+    from pepsi.mail import message  # noqa: PLC0415
+    from pepsi.mail.envelope import MailParameters, RcptParameters  # noqa: PLC0415
+
+    arrival = message.Arrival(
+        helo="client.test", peer="2001:db8::7", login="alice",
+        protocol=message.with_keyword("ESMTP", extended=True, tls=True, authenticated=True),
+        tls="TLSv1.3 with cipher X",
+    )  # fmt: skip
+    built = message.build(
+        b"Subject: hi\r\nMessage-ID: <1@x>\r\n\r\nbody\r\n",
+        stage="inbox", sender="", recipients={"a@x.org": RcptParameters(("NEVER",))},
+        mail=MailParameters(ret="HDRS"), arrival=arrival, hostname="mx", queue_id="Q",
+        now=datetime(2026, 12, 5, tzinfo=UTC),
+    )  # fmt: skip
+    assert (built.stage, built.sender, built.recipients) == ("inbox", "", ("a@x.org",))
+    assert (built.origin_user, built.origin_peer) == ("alice", "2001:db8::7")
+    assert (built.subject, built.message_id) == ("hi", "<1@x>")
+    assert built.body == b"body\r\n"
+    assert isinstance(built.header, bytes)
+    assert built.header.startswith(b"Received: from client.test ([2001:db8::7])\r\n")
+    assert b"with ESMTPSA id Q\r\n\tfor <a@x.org>; " in built.header
+    assert built.header.endswith(b"Subject: hi\r\nMessage-ID: <1@x>\r\n")
+    assert built.properties == {
+        "smtp": {"id": "Q", "ret": "HDRS", "rcpt": {"a@x.org": {"notify": ["NEVER"]}}}
+    }
+    assert message.with_keyword("LMTP", extended=True, tls=False, authenticated=False) == "LMTP"
+    assert message.with_keyword("ESMTP", extended=False, tls=True, authenticated=True) == "SMTP"

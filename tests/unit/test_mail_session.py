@@ -11,7 +11,8 @@ import asyncio
 from aiosmtpd.smtp import SMTP
 
 from pepsi.config.model import IngressOptions
-from pepsi.mail.session import Ingress, LmtpSession, SmtpSession
+from pepsi.mail.connection import Ingress
+from pepsi.mail.session import LmtpSession, SmtpSession
 
 
 async def _attributes() -> tuple[set[str], SmtpSession, LmtpSession]:

@@ -8,9 +8,11 @@ Cut as Postfix cuts its programs, with the decisions apart from the I/O:
 - `content.py`: the DATA stream (its end, dot-stuffing, bare line feeds) and
   the header block (split, Message-ID/From/Subject, `Received:`);
 - `policy.py`: who may relay, connection admission, the AUTH slow-down;
+- `message.py`: a received message as the row it becomes;
 - `committer.py`: accepted messages into shared commits, outcomes as replies;
-- `session.py`: the SMTP and LMTP sessions, on aiosmtpd;
+- `connection.py`, `auth.py`, `session.py`: one SMTP or LMTP session on
+  aiosmtpd's protocol (the plumbing, AUTH, the mail transaction);
 - `server.py`: `pepsi ingress --serve`, its listeners and its lifetime.
 
-Every module but the last three is pure and tested without a socket.
+The first five are pure and tested without a socket.
 """

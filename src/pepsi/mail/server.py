@@ -30,7 +30,8 @@ from pepsi.db import connect as db_connect
 from pepsi.errors import EX_OK, ConfigError, PepsiError
 from pepsi.mail import replies
 from pepsi.mail.committer import Committer
-from pepsi.mail.session import Ingress, LmtpSession, SmtpSession
+from pepsi.mail.connection import Ingress
+from pepsi.mail.session import LmtpSession, SmtpSession
 from pepsi.publishing.client import AsyncPublisher
 
 log = logging.getLogger("pepsi.ingress")

@@ -1,211 +1,44 @@
-"""One SMTP or LMTP session, on aiosmtpd's protocol: the commands, the DATA, the reply.
+"""The mail transaction of an SMTP or LMTP session: EHLO, MAIL, RCPT, DATA and the reply.
 
-aiosmtpd reads command lines, dispatches them, and does STARTTLS, AUTH's
-challenges, HELO, NOOP, RSET, VRFY, HELP and QUIT. Pepsi's session replaces
-what the confirm and the policy need: EHLO (the extensions offered), MAIL and
-RCPT (DSN parameters, relay control, limits), DATA (read to
-<CR><LF>.<CR><LF> only, bounded, committed before the reply), the checks of
-an AUTH login (off the event loop, slowed down after failures), enhanced
-status codes on every reply, and a 421 before a timeout or a refusal closes
-the connection. The decisions are in `policy`, `envelope` and `content`.
+Pepsi's own answers to what the confirm and the policy need: EHLO (the
+extensions offered), MAIL and RCPT (DSN parameters, relay control, limits),
+and DATA: read to <CR><LF>.<CR><LF> only, bounded by MAX_SIZE, made into
+one message (`message.py`) and committed before the reply, `250` only once
+the commit is confirmed. The decisions are in `policy`, `envelope`,
+`content` and `message`; `connection.py` and `auth.py` are the rest of the
+session.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
-import math
-import ssl
-from collections import defaultdict
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from aiosmtpd.smtp import SMTP, AuthResult, _AuthMechAttr
-
-from pepsi.config.model import IngressOptions
-from pepsi.mail import content, envelope, policy, replies
-from pepsi.mail.committer import Committer
+from pepsi.mail import content, envelope, message, policy, replies
+from pepsi.mail.auth import Authenticating
+from pepsi.mail.connection import Ingress
 from pepsi.mail.envelope import MailParameters, ParameterError, RcptParameters
 from pepsi.mail.replies import Reply
-from pepsi.publishing import OutgoingMessage
 from pepsi.publishing.message import is_address
 
 log = logging.getLogger("pepsi.ingress")
 
-# The reader's buffer: command lines are still held to command_size_limits, but
-# DATA arrives in chunks of up to this much.
-READ_LIMIT = 64 * 1024
-COMMAND_LIMITS = {"MAIL": 1024, "RCPT": 1024, "AUTH": 2048}  # with ESMTP parameters
-DEFAULT_COMMAND_LIMIT = 512  # RFC 5321 §4.5.3.1.4
-TEMPORARY_AUTH_FAILURE = "454 4.7.0 Temporary authentication failure, try again later"
 
-
-@dataclass
-class Ingress:
-    """What every session of one server shares."""
-
-    options: IngressOptions
-    stage: str
-    hostname: str
-    committer: Committer
-    check_login: Callable[[str, bytes], Awaitable[bool]]  # raises on a database failure
-    tls: ssl.SSLContext | None = None
-    admission: policy.Admission = field(init=False)
-    throttle: policy.AuthThrottle = field(init=False)
-    sessions: set[SmtpSession] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        options = self.options
-        self.admission = policy.Admission(options.max_connections, options.client_connection_limit)
-        self.throttle = policy.AuthThrottle(asyncio.get_running_loop().time)
-
-
-class SmtpSession(SMTP):
+class SmtpSession(Authenticating):
     """An ESMTP session (RFC 5321); `LmtpSession` is the LMTP one (RFC 2033)."""
 
-    line_length_limit = READ_LIMIT
-    greeting = "ESMTP Pepsi"
     protocol_name = "ESMTP"
 
     def __init__(self, ingress: Ingress, *, local_user: str | None = None) -> None:
-        # What SMTP.__init__ sets, without its per-connection reflection (inspect.getmembers
-        # of the session and dir() of the handler: a fifth of the server's CPU under
-        # smtp-source). The tables it built are built once per class (`_commands`).
-        loop = asyncio.get_running_loop()
-        asyncio.StreamReaderProtocol.__init__(
-            self,
-            asyncio.StreamReader(loop=loop, limit=READ_LIMIT),
-            client_connected_cb=self._cb_client_connected,
-            loop=loop,
-        )
-        self.__ident__ = self.greeting
-        self.loop = loop
-        self.event_handler = _NO_HOOKS
-        self.data_size_limit = ingress.options.max_size
-        self.enable_SMTPUTF8 = True
-        self._decode_data = False
-        self.hostname = ingress.hostname
-        self.tls_context = ingress.tls
-        self.require_starttls = False
-        self._timeout_duration = ingress.options.timeout
-        self._timeout_handle: asyncio.TimerHandle | None = None
-        self._deadline = math.inf
-        self._tls_handshake_okay = True
-        self._tls_protocol = None
-        self._original_transport = None
-        self.session = None
-        self.envelope = None
-        self.transport = None
-        self._handler_coroutine = None
-        self._auth_require_tls = True
-        self._proxy_timeout = None
-        self._authenticator = None
-        self._auth_callback = None
-        self._auth_required = False
-        self._handle_hooks = {}
-        self._ehlo_hook_ver = None
-        self._enforce_call_limit = False
-        commands, mechanisms = _commands(type(self))
-        self._smtp_methods = {verb: getattr(self, name) for verb, name in commands.items()}
-        self._auth_methods = {
-            mechanism: _AuthMechAttr(getattr(self, name), True)
-            for mechanism, name in mechanisms.items()
-        }
-        self.ingress = ingress
-        self.command_size_limits = defaultdict(lambda: DEFAULT_COMMAND_LIMIT, COMMAND_LIMITS)
-        self.local_user = local_user  # a UNIX socket's peer, known by its credentials
-        self.address: policy.IPAddress | None = None
-        self.client = "local"
-        self.admitted = False
-        self.trusted = local_user is not None
-        self.committing = False
+        super().__init__(ingress, local_user=local_user)
         self.mail: MailParameters | None = None
         self.sender = ""
         self.recipients: dict[str, RcptParameters] = {}
 
-    # -- connection -----------------------------------------------------------------------
-
-    async def _handle_client(self) -> None:
-        assert self.session is not None
-        options = self.ingress.options
-        self.address = policy.peer_address(_host(self.session.peer))
-        self.client = policy.client_key(self.address)
-        loopback = self.address is not None and self.address.is_loopback
-        self.trusted = self.trusted or policy.in_networks(self.address, options.relay_networks)
-        self._auth_require_tls = not (loopback or self.local_user is not None)
-        refusal = self.ingress.admission.admit(
-            self.client, exempt=self.trusted or self.local_user is not None
-        )
-        if refusal is not None:
-            log.warning("refused a connection from %s: %s", self.client, refusal.text)
-            await self.push(str(refusal))
-            self._close()
-            return
-        self.admitted = True
-        self.ingress.sessions.add(self)
-        await super()._handle_client()
-
-    def connection_lost(self, error: Exception | None) -> None:
-        if self.admitted:
-            self.admitted = False
-            self.ingress.admission.release(self.client)
-            self.ingress.sessions.discard(self)
-        super().connection_lost(error)
-
-    def _reset_timeout(self, duration: float | None = None) -> None:
-        """Move the deadline; one timer per session, rearmed only when it fires early.
-
-        aiosmtpd cancels and schedules a timer for every command.
-        """
-        self._deadline = self.loop.time() + (duration or self._timeout_duration)
-        if self._timeout_handle is None or self._timeout_handle.cancelled():
-            self._timeout_handle = self.loop.call_at(self._deadline, self._timeout_cb)
-
-    def _pause_timeout(self) -> None:
-        """No deadline while the server, not the client, is the one being waited for."""
-        self._deadline = math.inf
-
-    def _timeout_cb(self) -> None:
-        now = self.loop.time()
-        if now < self._deadline:  # moved since: wait for the new deadline
-            when = self._deadline if self._deadline < math.inf else now + self._timeout_duration
-            self._timeout_handle = self.loop.call_at(when, self._timeout_cb)
-            return
-        if self.transport is not None and not self.transport.is_closing():
-            self._writer.write(f"{replies.TIMEOUT}\r\n".encode())
-        super()._timeout_cb()  # type: ignore[no-untyped-call]  # aiosmtpd's, untyped
-
-    def _close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-    def goodbye(self, reply: Reply) -> None:
-        """Close an idle session with `reply` (at shutdown)."""
-        if self.transport is not None and not self.transport.is_closing():
-            self._writer.write(f"{reply}\r\n".encode())
-            self._close()
-
-    async def handle_exception(self, error: Exception) -> str:
-        """A bug in a command's handling: logged; the client is told to try again later."""
-        log.error("session with %s failed", self.client, exc_info=error)
-        self._set_rset_state()  # type: ignore[no-untyped-call]
-        return str(replies.NOT_STORED.with_text("Internal error, try again later"))
-
-    async def push(self, status: str | bytes) -> None:
-        if isinstance(status, str):
-            await super().push(replies.enhance(status))
-        else:
-            await super().push(status)
-
-    async def _push_lines(self, lines: list[str]) -> None:
-        """A multi-line reply as it is (EHLO's carries no enhanced code), in one write."""
-        text = "".join(f"{line}\r\n" for line in lines)
-        self._writer.write(text.encode("utf-8"))
-        await self._writer.drain()
+    def in_transaction(self) -> bool:
+        return self.mail is not None
 
     def _set_post_data_state(self) -> None:
         super()._set_post_data_state()  # type: ignore[no-untyped-call]
@@ -246,67 +79,6 @@ class SmtpSession(SMTP):
         self._set_rset_state()  # type: ignore[no-untyped-call]
         self.session.host_name = hostname
         self.session.extended_smtp = extended
-
-    def _auth_offered(self) -> bool:
-        assert self.session is not None
-        tls_ok = not self._auth_require_tls or self._tls_protocol is not None
-        return tls_ok and not self.session.authenticated and self.local_user is None
-
-    # -- AUTH -----------------------------------------------------------------------------
-
-    async def smtp_AUTH(self, arg: str) -> None:
-        if self.mail is not None:  # RFC 4954 §4: not within a mail transaction
-            await self.push("503 5.5.1 AUTH not permitted during a mail transaction")
-            return
-        await super().smtp_AUTH(arg)
-
-    async def auth_PLAIN(self, _: SMTP, args: list[str]) -> AuthResult:
-        response = await (self.challenge_auth("") if len(args) == 1 else self._decode(args[1]))
-        if not isinstance(response, bytes):  # aborted or undecodable: answered already
-            return AuthResult(success=False, handled=True)
-        parts = response.split(b"\0")
-        if len(parts) != 3:
-            await self.push("501 5.5.2 Cannot split the PLAIN response")
-            return AuthResult(success=False, handled=True)
-        return await self._login(parts[1], parts[2])
-
-    async def auth_LOGIN(self, _: SMTP, args: list[str]) -> AuthResult:
-        login = await (
-            self.challenge_auth("Username:") if len(args) == 1 else self._decode(args[1])
-        )
-        if not isinstance(login, bytes):
-            return AuthResult(success=False, handled=True)
-        password = await self.challenge_auth("Password:")
-        if not isinstance(password, bytes):
-            return AuthResult(success=False, handled=True)
-        return await self._login(login, password)
-
-    async def _decode(self, text: str) -> bytes | None:
-        """An initial response in base64; None (after a 501) if it is not."""
-        try:
-            return base64.b64decode(text.encode("ascii"), validate=True)
-        except (binascii.Error, UnicodeEncodeError):
-            await self.push("501 5.5.2 Cannot decode base64")
-            return None
-
-    async def _login(self, login: bytes, password: bytes) -> AuthResult:
-        try:
-            name = login.decode("utf-8")
-            valid = "\0" not in name and await self.ingress.check_login(name, password)
-        except UnicodeDecodeError:
-            valid = False
-        except Exception as exc:  # noqa: BLE001  # the database, not the client: try later
-            log.warning("AUTH for %s could not be checked: %s", self.client, exc)
-            return AuthResult(success=False, handled=False, message=TEMPORARY_AUTH_FAILURE)
-        throttle = self.ingress.throttle
-        if valid:
-            throttle.succeeded(self.client)
-            return AuthResult(success=True, auth_data=name, message=str(replies.AUTH_OK))
-        throttle.failed(self.client)
-        delay = throttle.delay(self.client)
-        log.warning("AUTH failed from %s (next answer in %.1fs)", self.client, delay)
-        await asyncio.sleep(delay)
-        return AuthResult(success=False, handled=False, message=str(replies.AUTH_FAILED))
 
     # -- the envelope ---------------------------------------------------------------------
 
@@ -430,55 +202,39 @@ class SmtpSession(SMTP):
             if collector.feed(chunk):
                 return collector.message()
 
-    async def _commit(self, message: bytes) -> Reply:
+    async def _commit(self, data: bytes) -> Reply:
         assert self.mail is not None
         assert self.session is not None
-        header, body = content.split_message(message)
-        extracted = content.extract(header)
-        queue_id = content.new_queue_id()
-        recipients = list(self.recipients)
-        login = self.local_user or (self.session.auth_data if self.session.authenticated else None)
-        received = content.received(
+        authenticated = bool(self.session.authenticated)
+        tls = self._tls_protocol is not None
+        arrival = message.Arrival(
             helo=self.session.host_name,
             peer=None if self.address is None else str(self.address),
-            hostname=self.hostname,
-            protocol=self._protocol(bool(self.session.authenticated)),
-            queue_id=queue_id,
-            recipients=recipients,
-            tls=_tls_version(self._tls_protocol is not None, self.session.ssl),
-            when=datetime.now(UTC),
+            login=self.local_user or (str(self.session.auth_data) if authenticated else None),
+            protocol=message.with_keyword(
+                self.protocol_name,
+                extended=bool(self.session.extended_smtp),
+                tls=tls,
+                authenticated=authenticated,
+            ),
+            tls=message.tls_description((self.session.ssl or {}).get("ssl_object"))
+            if tls
+            else None,
         )
-        outgoing = OutgoingMessage(
-            self.ingress.stage,
-            body,
-            received + header,
-            sender=self.sender,
-            recipients=tuple(recipients),
-            origin_user=login,
-            origin_peer=None if self.address is None else str(self.address),
-            message_id=extracted.message_id,
-            header_from=extracted.header_from,
-            subject=extracted.subject,
-            properties={
-                "smtp": envelope.smtp_properties(self.mail, self.recipients, queue_id=queue_id)
-            },
-        )
+        queue_id = content.new_queue_id()
+        outgoing = message.build(
+            data, stage=self.ingress.stage, sender=self.sender, recipients=self.recipients,
+            mail=self.mail, arrival=arrival, hostname=self.hostname, queue_id=queue_id,
+            now=datetime.now(UTC),
+        )  # fmt: skip
         reply, workqueue_id = await self.ingress.committer.commit(outgoing, queue_id)
         if workqueue_id is not None:
             log.info(
                 "id %s: from=<%s> nrcpt=%d size=%d client=%s%s: stored as %d",
-                queue_id, self.sender, len(recipients), len(message), self.client,
-                f" user={login}" if login else "", workqueue_id,
+                queue_id, self.sender, len(self.recipients), len(data), self.client,
+                f" user={arrival.login}" if arrival.login else "", workqueue_id,
             )  # fmt: skip
         return reply
-
-    def _protocol(self, authenticated: bool) -> str:
-        """RFC 3848's WITH keyword: ESMTP, ESMTPS, ESMTPA, ESMTPSA (LMTP likewise)."""
-        assert self.session is not None
-        if not self.session.extended_smtp:
-            return "SMTP"
-        suffix = ("S" if self._tls_protocol is not None else "") + ("A" if authenticated else "")
-        return self.protocol_name + suffix
 
 
 class LmtpSession(SmtpSession):
@@ -501,32 +257,6 @@ class LmtpSession(SmtpSession):
 
     def _reply_slots(self) -> int:
         return len(self.recipients)
-
-
-class _NoHooks:
-    """aiosmtpd's handler: the session itself answers every command."""
-
-
-_NO_HOOKS = _NoHooks()
-
-
-_COMMANDS: dict[type, tuple[dict[str, str], dict[str, str]]] = {}
-
-
-def _commands(kind: type) -> tuple[dict[str, str], dict[str, str]]:
-    """A session class's commands (`smtp_VERB`) and AUTH mechanisms (`auth_MECHANISM`)."""
-    found = _COMMANDS.get(kind)
-    if found is None:
-        names = dir(kind)
-        commands = {name[5:]: name for name in names if name.startswith("smtp_")}
-        mechanisms = {name[5:]: name for name in names if name.startswith("auth_")}
-        found = _COMMANDS[kind] = (commands, mechanisms)
-    return found
-
-
-def _host(peer: Any) -> str | None:
-    """The address part of a socket's peer name (a tuple for TCP; '' for a UNIX socket)."""
-    return str(peer[0]) if isinstance(peer, tuple) and peer else None
 
 
 def _none(words: list[str]) -> list[str]:
@@ -554,12 +284,5 @@ def _served_domain(domains: tuple[str, ...], hostname: str) -> str:
     return next((d for d in domains if not d.startswith(".")), hostname.lower())
 
 
-def _tls_version(on: bool, info: dict[str, Any] | None) -> str | None:
-    if not on:
-        return None
-    ssl_object = (info or {}).get("ssl_object")
-    version = ssl_object.version() if ssl_object is not None else None
-    cipher = ssl_object.cipher() if ssl_object is not None else None
-    if version and cipher:
-        return f"{version} with cipher {cipher[0]}"
-    return version or "TLS"
+def _ssl_object(info: dict[str, Any] | None) -> Any:
+    return (info or {}).get("ssl_object")
