@@ -21,16 +21,12 @@ vhost deletes its queues and their messages. See docs/amqp.md.
 from __future__ import annotations
 
 import argparse
-import getpass
-import json
-import sys
-from collections.abc import Sequence
-from typing import Any
 
 from pepsi.admin import amqp_users
 from pepsi.admin.connection import open_current
 from pepsi.commands import Context, summary
-from pepsi.errors import EX_OK, UsageError
+from pepsi.commands.passwords import dump_json, password_option, read_password
+from pepsi.errors import EX_OK
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -48,11 +44,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add = user.add_parser("add", help="create a user (no permissions until granted)")
     add.add_argument("name", metavar="NAME")
     add.add_argument("--tags", default="", help="comma-separated tags, e.g. administrator")
-    _password_option(add)
+    password_option(add)
     add.set_defaults(handler=run_user_add)
     passwd = user.add_parser("passwd", help="change a user's password")
     passwd.add_argument("name", metavar="NAME")
-    _password_option(passwd)
+    password_option(passwd)
     passwd.set_defaults(handler=run_user_passwd)
     delete = user.add_parser("delete", help="delete a user and its permissions")
     delete.add_argument("name", metavar="NAME")
@@ -95,14 +91,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     vlist.set_defaults(handler=run_vhost_list)
 
 
-def _password_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--password-stdin",
-        action="store_true",
-        help="read the password from standard input instead of asking on the terminal",
-    )
-
-
 def _vhost_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--vhost", default=amqp_users.DEFAULT_VHOST, help="the vhost (default %(default)s)"
@@ -111,25 +99,6 @@ def _vhost_option(parser: argparse.ArgumentParser) -> None:
 
 def _json_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-
-
-def read_password(from_stdin: bool) -> str:
-    """The new password: standard input with --password-stdin, else asked twice."""
-    if from_stdin:
-        text = sys.stdin.read()
-        return text.removesuffix("\n").removesuffix("\r")
-    if not sys.stdin.isatty():
-        # getpass would fall back to reading a pipe with a warning: say what to do instead.
-        raise UsageError("no terminal to ask for the password on: use --password-stdin")
-    first = getpass.getpass("Password: ")
-    if getpass.getpass("Password again: ") != first:
-        raise UsageError("the passwords differ; nothing was changed")
-    return first
-
-
-def _dump(items: Sequence[Any]) -> None:
-    json.dump([item.as_dict() for item in items], sys.stdout, indent=2)
-    sys.stdout.write("\n")
 
 
 def run_user_add(args: argparse.Namespace, ctx: Context) -> int:
@@ -162,7 +131,7 @@ def run_user_list(args: argparse.Namespace, ctx: Context) -> int:
     with open_current(ctx.config()) as conn:
         users = amqp_users.list_users(conn)
     if args.json:
-        _dump(users)
+        dump_json(users)
     else:
         for user in users:
             print(f"{user.name}\t[{', '.join(user.tags)}]")
@@ -190,7 +159,7 @@ def run_permissions_list(args: argparse.Namespace, ctx: Context) -> int:
     with open_current(ctx.config()) as conn:
         rows = amqp_users.list_permissions(conn, vhost=args.vhost, username=args.user)
     if args.json:
-        _dump(rows)
+        dump_json(rows)
     else:
         for row in rows:
             print(f"{row.vhost}\t{row.username}\t{row.configure!r}\t{row.write!r}\t{row.read!r}")
@@ -216,7 +185,7 @@ def run_vhost_list(args: argparse.Namespace, ctx: Context) -> int:
     with open_current(ctx.config()) as conn:
         vhosts = amqp_users.list_vhosts(conn)
     if args.json:
-        _dump(vhosts)
+        dump_json(vhosts)
     else:
         for vhost in vhosts:
             print(f"{vhost.name}\t{vhost.queues} queues")

@@ -14,14 +14,12 @@ send to any domain, and is the mail's fair key (`user:NAME`). See docs/mail.md.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 from pepsi.admin import mail_users
 from pepsi.admin.amqp_users import check_name
 from pepsi.admin.connection import open_current
 from pepsi.commands import Context, summary
-from pepsi.commands.amqp_cmd import read_password
+from pepsi.commands.passwords import dump_json, password_option, read_password
 from pepsi.errors import EX_OK
 
 
@@ -38,11 +36,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     add = user.add_parser("add", help="create a user")
     add.add_argument("name", metavar="NAME")
-    _password_option(add)
+    password_option(add)
     add.set_defaults(handler=run_user_add)
     passwd = user.add_parser("passwd", help="change a user's password")
     passwd.add_argument("name", metavar="NAME")
-    _password_option(passwd)
+    password_option(passwd)
     passwd.set_defaults(handler=run_user_passwd)
     delete = user.add_parser("delete", help="delete a user")
     delete.add_argument("name", metavar="NAME")
@@ -50,14 +48,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     listing = user.add_parser("list", help="every user")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
     listing.set_defaults(handler=run_user_list)
-
-
-def _password_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--password-stdin",
-        action="store_true",
-        help="read the password from standard input instead of asking on the terminal",
-    )
 
 
 def run_user_add(args: argparse.Namespace, ctx: Context) -> int:
@@ -89,8 +79,7 @@ def run_user_list(args: argparse.Namespace, ctx: Context) -> int:
     with open_current(ctx.config()) as conn:
         users = mail_users.list_users(conn)
     if args.json:
-        json.dump([u.as_dict() for u in users], sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        dump_json(users)
     else:
         for user in users:
             print(user.name)

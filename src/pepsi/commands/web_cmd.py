@@ -18,7 +18,7 @@ import signal
 
 from pepsi.amqp.passwords import hash_password
 from pepsi.commands import Context, summary
-from pepsi.commands.amqp_cmd import read_password
+from pepsi.commands.passwords import read_password
 from pepsi.config import values
 from pepsi.errors import EX_OK, ConfigError, UsageError
 
