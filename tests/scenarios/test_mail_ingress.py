@@ -460,3 +460,25 @@ def test_a_port_in_use_is_one_line_and_exit_1(tmp_path: Path, dsn: str) -> None:
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("pepsi: cannot listen: ")
     assert "Traceback" not in result.stderr
+
+
+def test_a_failed_tls_handshake_is_one_log_line(
+    ingress: Callable[..., IngressProcess], certificate: tuple[Path, Path]
+) -> None:
+    cert, key = certificate
+    server = ingress(f"TLS_CERT = {cert}\nTLS_KEY = {key}")
+    line = Line(server.smtp)
+    line.reply()
+    assert "250-STARTTLS" in line.command("EHLO client")
+    assert line.command("STARTTLS")[0].startswith("220")
+    line.send(b"this is no TLS client hello\r\n" * 4)
+    line.file.read()  # returns only once the server has closed the connection (else: timeout)
+    line.close()
+    wait_until(lambda: "TLS handshake with 127.0.0.1 failed" in server.log, what="its log line")
+    assert "Traceback" not in server.log
+    with smtplib.SMTP(*server.smtp) as client:  # and it goes on serving
+        client.starttls(context=ssl._create_unverified_context())  # self-signed
+        client.ehlo("client.test")
+        client.mail("a@sender.org")
+        client.rcpt("bob@example.com")
+        assert client.data(message())[0] == 250

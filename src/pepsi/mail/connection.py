@@ -12,6 +12,7 @@ AUTH, `session.py` the mail transaction.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import ssl
@@ -20,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiosmtpd.smtp import SMTP, _AuthMechAttr
+from aiosmtpd.smtp import SMTP, TLSSetupException, _AuthMechAttr
 
 from pepsi.config.model import IngressOptions
 from pepsi.mail import policy, replies
@@ -128,7 +129,8 @@ class Connection(SMTP):
         )
         if refusal is not None:
             log.warning("refused a connection from %s: %s", self.client, refusal.text)
-            await self.push(str(refusal))
+            with contextlib.suppress(ConnectionError):
+                await self.push(str(refusal))
             self._close()
             return
         self.admitted = True
@@ -176,7 +178,13 @@ class Connection(SMTP):
             self._close()
 
     async def handle_exception(self, error: Exception) -> str:
-        """A bug in a command's handling: logged; the client is told to try again later."""
+        """A bug in a command's handling: logged; the client is told to try again later.
+
+        A failed TLS handshake is the client's business: one line (aiosmtpd closes).
+        """
+        if isinstance(error, TLSSetupException):
+            log.info("TLS handshake with %s failed: %s", self.client, error.__cause__)
+            return str(replies.TLS_FAILED)
         log.error("session with %s failed", self.client, exc_info=error)
         self._set_rset_state()  # type: ignore[no-untyped-call]
         return str(replies.NOT_STORED.with_text("Internal error, try again later"))

@@ -43,6 +43,7 @@ TIMEOUT = Reply(421, "4.4.2", "Timeout exceeded, closing the connection")
 TOO_MANY_CONNECTIONS = Reply(421, "4.7.0", "Too many connections, try again later")
 CLIENT_TOO_MANY = Reply(421, "4.7.0", "Too many connections from your address, try again later")
 SHUTTING_DOWN = Reply(421, "4.3.2", "Service shutting down, try again later")
+TLS_FAILED = Reply(454, "4.7.0", "TLS handshake failed")
 
 # Permanent refusals.
 TOO_BIG = Reply(552, "5.3.4", "Message size exceeds the fixed limit")

@@ -167,15 +167,15 @@ class SmtpSession(Authenticating):
             await self.push("501 5.5.4 Syntax: DATA")
             return
         await self.push(replies.START_DATA)
-        message = await self._read_data()
+        data = await self._read_data()
         slots = self._reply_slots()
-        if message is None:
+        if data is None:
             reply = replies.TOO_BIG
         else:
             self.committing = True
             self._pause_timeout()  # the wait is ours, not the client's
             try:
-                reply = await self._commit(message)
+                reply = await self._commit(data)
             finally:
                 self.committing = False
                 self._reset_timeout()
@@ -217,9 +217,7 @@ class SmtpSession(Authenticating):
                 tls=tls,
                 authenticated=authenticated,
             ),
-            tls=message.tls_description((self.session.ssl or {}).get("ssl_object"))
-            if tls
-            else None,
+            tls=message.tls_description(_ssl_object(self.session.ssl)) if tls else None,
         )
         queue_id = content.new_queue_id()
         outgoing = message.build(
