@@ -116,6 +116,12 @@ def stage(
     return mark
 
 
+def _content(name: str, value: object) -> bytes:
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise TypeError(f"msg.{name} takes bytes, not {type(value).__name__}")
+    return bytes(value)
+
+
 def needs_of(func: Callable[..., Any]) -> Needs:
     """What a stage function declared; undecorated functions need metadata only."""
     value = getattr(func, STAGE_ATTRIBUTE, Needs.METADATA)
@@ -155,6 +161,9 @@ class Message:
     _loader: BodyLoader | None = field(default=None, repr=False)
     _token: str | None = field(default=None, repr=False)  # the claim's xmin, as loaded
     _db: psycopg.Connection[Any] | None = field(default=None, repr=False)
+    # What the stage replaced: a new header block or body (None: as stored).
+    _new_header: bytes | None = field(default=None, repr=False)
+    _new_body: bytes | None = field(default=None, repr=False)
 
     def _load(self) -> None:
         if self._loader is not None:
@@ -165,16 +174,36 @@ class Message:
 
     @property
     def header(self) -> bytes | None:
-        """The header block (loaded on first access if the stage did not declare it)."""
+        """The header block (loaded on first access if the stage did not declare it).
+
+        Assigning bytes replaces it: the new header block is stored with the
+        stage's outcome (a stage that signs or adds a field), for this row
+        only (rows split from the same message keep theirs).
+        """
+        if self._new_header is not None:
+            return self._new_header
         if self._header is None:
             self._load()
         return self._header
 
+    @header.setter
+    def header(self, value: bytes) -> None:
+        self._new_header = _content("header", value)
+
     @property
     def body(self) -> bytes | None:
-        """The body (loaded on first access if the stage did not declare it)."""
+        """The body (loaded on first access if the stage did not declare it).
+
+        Assigning bytes replaces it, as for `header`.
+        """
+        if self._new_body is not None:
+            return self._new_body
         self._load()
         return self._body
+
+    @body.setter
+    def body(self, value: bytes) -> None:
+        self._new_body = _content("body", value)
 
     @property
     def db(self) -> psycopg.Connection[Any]:

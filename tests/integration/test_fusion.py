@@ -16,7 +16,7 @@ import pytest
 
 from pepsi.config import Config, load_config
 from pepsi.protocol import parse_status
-from pepsi.stage import Advance, Message, Needs, stage
+from pepsi.stage import Advance, Message, Needs, Pause, stage
 from pepsi.worker.fusion import FUSION_DEPTH
 from pepsi.worker.handlers import load_handler
 from pepsi.worker.runner import StageRunner
@@ -46,6 +46,11 @@ def fail(msg: Message) -> None:
 @stage
 def rewrite(msg: Message) -> None:
     msg.subject = "changed in memory"
+
+
+@stage
+def stop(msg: Message) -> Pause:
+    return msg.pause(60)
 
 
 @stage(Needs.BODY)
@@ -147,12 +152,33 @@ def test_a_failure_is_handled_at_the_failing_stage_with_the_chain_before_it_kept
     assert 5 <= float(waited[0]) <= 7
 
 
-def test_a_message_changed_in_memory_is_not_fused(
+def test_a_rewritten_message_with_recipients_to_split_is_not_fused(
     conn: Conn, run: Callable[[str, int], list[Any]]
 ) -> None:
-    wid = running(conn)
+    """The manual: a later split clones its rows from the stored row, which must carry
+    the rewrite, so the rewrite is written (issue 32: it is stored with the advance)."""
+    wid = running(conn, recipients=["a@x.org", "b@x.org"])
     assert run(conf(a="rewrite"), wid) == [("a", "advance")]
     assert row(conn, wid) == ("b", "pending", {})
+    assert subject(conn, wid) == "changed in memory"
+
+
+def test_a_rewritten_message_with_one_recipient_is_fused_and_the_rewrite_stored(
+    conn: Conn, run: Callable[[str, int], list[Any]]
+) -> None:
+    wid = running(conn, recipients=["a@x.org"])
+    report = run(conf(a="rewrite", c="stop"), wid)
+    assert report == [("a", "advance"), ("b", "advance"), ("c", "pause")]
+    assert row(conn, wid) == ("c", "paused", {"b": True})
+    assert subject(conn, wid) == "changed in memory"
+
+
+def subject(conn: Conn, wid: int) -> str | None:
+    found = conn.execute(
+        "SELECT subject FROM pepsi.workqueue WHERE workqueue_id = %s", (wid,)
+    ).fetchone()
+    assert found is not None
+    return found[0]
 
 
 def test_a_successor_needing_more_than_is_loaded_is_dispatched(

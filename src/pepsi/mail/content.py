@@ -21,7 +21,7 @@ from datetime import datetime
 from email.header import decode_header, make_header
 from email.utils import format_datetime
 
-from pepsi.publishing.message import MAX_TEXT
+from pepsi.addresses import MAX_TEXT
 
 END = b".\r\n"  # what `DataCollector.feed` chunks end with when they may end the data
 _BARE_LF = re.compile(rb"(?<!\r)\n")

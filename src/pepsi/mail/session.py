@@ -16,12 +16,12 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
+from pepsi.addresses import is_address
 from pepsi.mail import content, envelope, message, policy, replies
 from pepsi.mail.auth import Authenticating
 from pepsi.mail.connection import Ingress
 from pepsi.mail.envelope import MailParameters, ParameterError, RcptParameters
 from pepsi.mail.replies import Reply
-from pepsi.publishing.message import is_address
 
 log = logging.getLogger("pepsi.ingress")
 

@@ -16,13 +16,10 @@ from datetime import UTC, datetime, timedelta
 from itertools import islice
 from typing import Any, NamedTuple
 
+from pepsi.addresses import ADDRESS, MAX_TEXT
 from pepsi.publishing.errors import InvalidMessage
 
 MAX_RECIPIENTS = 100_000
-MAX_TEXT = 4096  # characters in one envelope or header field
-# local@domain: no spaces, control characters or angle brackets; one '@' that
-# separates two non-empty parts (quoted local parts are not supported).
-_ADDRESS = re.compile(r"[^\s<>@\x00-\x1f\x7f]+@[^\s<>@\x00-\x1f\x7f]+")
 
 Body = bytes | bytearray | memoryview | str
 
@@ -204,16 +201,11 @@ def _text(name: str, value: object, *, empty: bool = False) -> str | None:
     return value
 
 
-def is_address(text: str) -> bool:
-    """Whether `text` is an address a message can carry (local@domain, as `validate` checks)."""
-    return len(text) <= MAX_TEXT and _ADDRESS.fullmatch(text) is not None
-
-
 def _address(name: str, value: object, *, null_ok: bool = False) -> str | None:
     text = _text(name, value, empty=null_ok)
     if text is None or (null_ok and text == ""):
         return text
-    if not _ADDRESS.fullmatch(text):
+    if not ADDRESS.fullmatch(text):
         raise InvalidMessage(f"{name} is not an address (local@domain): {text!r}")
     return text
 

@@ -1058,3 +1058,91 @@ DELETE FROM pepsi.mail_user WHERE name = %(name)s RETURNING name;
 UPDATE pepsi.mail_user SET password_hash = %(password_hash)s, updated = now()
 WHERE name = %(name)s
 RETURNING name;
+
+-- name: workqueue_record_outcomes_edited
+-- workqueue_record_outcomes for a batch where a stage changed its messages
+-- (issue 32): each update's `edits` names the columns it sets (a column it
+-- does not name keeps its value), and a row whose header block or body was
+-- replaced gets a new body row (NULL: that part as stored), so that rows split
+-- from the same message keep theirs. The old body goes with its last row
+-- (the trigger workqueue_body_release).
+WITH finished AS (
+    DELETE FROM pepsi.workqueue w
+    WHERE w.workqueue_id = ANY(%(finished)s::bigint[])
+      AND w.status = 'running' AND w.stage = %(stage)s
+    RETURNING 1
+), content AS (
+    SELECT c.workqueue_id, c.header, c.body,
+           nextval('pepsi.workqueue_body_body_id_seq') AS new_body_id
+    FROM unnest(%(content_ids)s::bigint[], %(headers)s::bytea[], %(bodies)s::bytea[])
+         AS c(workqueue_id, header, body)
+), stored AS (
+    INSERT INTO pepsi.workqueue_body (body_id, header, body) OVERRIDING SYSTEM VALUE
+    SELECT c.new_body_id, coalesce(c.header, b.header), coalesce(c.body, b.body)
+    FROM content c
+    JOIN pepsi.workqueue w ON w.workqueue_id = c.workqueue_id
+                          AND w.status = 'running' AND w.stage = %(stage)s
+    LEFT JOIN pepsi.workqueue_body b ON b.body_id = w.body_id
+    RETURNING body_id
+)
+UPDATE pepsi.workqueue w
+SET stage = r.stage, status = r.status, timeout = r.timeout, state = r.state,
+    message_id = CASE WHEN r.edits ? 'message_id' THEN r.edits ->> 'message_id'
+                      ELSE w.message_id END,
+    sender = CASE WHEN r.edits ? 'sender' THEN r.edits ->> 'sender' ELSE w.sender END,
+    recipients = CASE WHEN r.edits ? 'recipients'
+                      THEN ARRAY(SELECT jsonb_array_elements_text(r.edits -> 'recipients'))
+                      ELSE w.recipients END,
+    header_from = CASE WHEN r.edits ? 'header_from' THEN r.edits ->> 'header_from'
+                       ELSE w.header_from END,
+    subject = CASE WHEN r.edits ? 'subject' THEN r.edits ->> 'subject' ELSE w.subject END,
+    content_type = CASE WHEN r.edits ? 'content_type' THEN r.edits ->> 'content_type'
+                        ELSE w.content_type END,
+    correlation_id = CASE WHEN r.edits ? 'correlation_id' THEN r.edits ->> 'correlation_id'
+                          ELSE w.correlation_id END,
+    properties = CASE WHEN r.edits ? 'properties' THEN r.edits -> 'properties'
+                      ELSE w.properties END,
+    body_id = coalesce((SELECT c.new_body_id FROM content c
+                        WHERE c.workqueue_id = w.workqueue_id
+                          AND EXISTS (SELECT 1 FROM stored s WHERE s.body_id = c.new_body_id)),
+                       w.body_id)
+FROM jsonb_to_recordset(%(updates)s::jsonb)
+     AS r(workqueue_id bigint, stage text, status pepsi.workqueue_status,
+          timeout timestamptz, state jsonb, edits jsonb)
+WHERE w.workqueue_id = ANY(ARRAY(SELECT (e ->> 'workqueue_id')::bigint
+                                 FROM jsonb_array_elements(%(updates)s::jsonb) e))
+  AND w.workqueue_id = r.workqueue_id AND w.status = 'running' AND w.stage = %(stage)s;
+
+-- name: workqueue_edit
+-- A transactional stage's edits (issue 32), in its transaction, after its
+-- outcome: as in workqueue_record_outcomes_edited, for one row (the outcome's
+-- own write holds its lock).
+WITH content AS (
+    SELECT %(header)s::bytea AS header, %(body)s::bytea AS body,
+           CASE WHEN %(header)s::bytea IS NOT NULL OR %(body)s::bytea IS NOT NULL
+                THEN nextval('pepsi.workqueue_body_body_id_seq') END AS new_body_id
+), stored AS (
+    INSERT INTO pepsi.workqueue_body (body_id, header, body) OVERRIDING SYSTEM VALUE
+    SELECT c.new_body_id, coalesce(c.header, b.header), coalesce(c.body, b.body)
+    FROM content c
+    JOIN pepsi.workqueue w ON w.workqueue_id = %(id)s
+    LEFT JOIN pepsi.workqueue_body b ON b.body_id = w.body_id
+    WHERE c.new_body_id IS NOT NULL
+    RETURNING body_id
+)
+UPDATE pepsi.workqueue w
+SET message_id = CASE WHEN e ? 'message_id' THEN e ->> 'message_id' ELSE w.message_id END,
+    sender = CASE WHEN e ? 'sender' THEN e ->> 'sender' ELSE w.sender END,
+    recipients = CASE WHEN e ? 'recipients'
+                      THEN ARRAY(SELECT jsonb_array_elements_text(e -> 'recipients'))
+                      ELSE w.recipients END,
+    header_from = CASE WHEN e ? 'header_from' THEN e ->> 'header_from' ELSE w.header_from END,
+    subject = CASE WHEN e ? 'subject' THEN e ->> 'subject' ELSE w.subject END,
+    content_type = CASE WHEN e ? 'content_type' THEN e ->> 'content_type'
+                        ELSE w.content_type END,
+    correlation_id = CASE WHEN e ? 'correlation_id' THEN e ->> 'correlation_id'
+                          ELSE w.correlation_id END,
+    properties = CASE WHEN e ? 'properties' THEN e -> 'properties' ELSE w.properties END,
+    body_id = coalesce((SELECT s.body_id FROM stored s), w.body_id)
+FROM (SELECT %(edits)s::jsonb AS e) x
+WHERE w.workqueue_id = %(id)s;

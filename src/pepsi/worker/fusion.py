@@ -12,8 +12,9 @@ changes a message's outcome, only whether the hand-over touches the database:
 - the successor runs in the unified program (a HANDLER or a built-in);
 - it needs no more of the message than is loaded (metadata < header < body);
 - the stage did not refuse fusion for this message (`Advance(fuse=False)`);
-- the message's metadata is as loaded (a stage that changed it in memory
-  would hand its successor what a dispatched hop would not);
+- no stage of the chain rewrote the message (its metadata, header block or
+  body) while it still has more than one recipient: a later split clones
+  its rows from the stored row, which must carry the rewrite (the manual);
 - the successor has no per-address overrides (those are applied, and a
   split made, where the row is loaded: a dispatched hop);
 - the successor is not transactional (`@stage(transactional=True)`, issue

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 from pepsi.config.values import is_amqp_stage, stage_ref
 from pepsi.stage import Advance, Finish, Message, Pause, PermanentError
+from pepsi.worker.edits import Edits
 
 Clock = Callable[[], datetime]
 ERROR_LIMIT = 2000  # characters of an error kept in state.last_error
@@ -46,6 +47,7 @@ class Decision(NamedTuple):
     timeout: datetime | None = None
     error: str | None = None  # a failure as logged (state.last_error has it truncated)
     fuse: bool = True  # an advance the stage let be fused (W-10)
+    edits: Edits | None = None  # what the stage changed in the message (issue 32)
 
     @property
     def exit_status(self) -> int:
@@ -54,13 +56,16 @@ class Decision(NamedTuple):
 
     def row(self, workqueue_id: int) -> dict[str, Any]:
         """The update as `workqueue_record_outcomes` reads it (one JSON object)."""
-        return {
+        row = {
             "workqueue_id": workqueue_id,
             "stage": self.stage,
             "status": self.status,
             "timeout": self.timeout.isoformat() if self.timeout else None,
             "state": self.state,
         }
+        if self.edits is not None:
+            row["edits"] = self.edits.columns
+        return row
 
 
 FINISH = Decision("finish")

@@ -42,6 +42,7 @@ from pepsi.errors import (
 from pepsi.protocol import Pass, format_status
 from pepsi.stage import Message, Needs, is_transactional, needs_of
 from pepsi.telemetry import NO_SINK, TRACEPARENT, Sink
+from pepsi.worker import edits
 from pepsi.worker.fusion import fusable, may_fuse
 from pepsi.worker.handlers import StageFunc, load_handler
 from pepsi.worker.messages import Conn, MessageLoader
@@ -92,12 +93,35 @@ class Batch:
     # W-10: (stage, ns, outcome) of each stage a fused pass ran, by id; absent: one stage
     passes: dict[int, list[tuple[str, int, str]]] = field(default_factory=dict)
 
+    edited: bool = False  # some update changes the message too (issue 32)
+    content_ids: list[int] = field(default_factory=list)
+    headers: list[bytes | None] = field(default_factory=list)
+    bodies: list[bytes | None] = field(default_factory=list)
+
     def add(self, wid: int, decision: Decision) -> None:
         if decision.stage is None:
             self.finished.append(wid)
         else:
             self.updates.append(decision.row(wid))
+            if decision.edits is not None:
+                self.edited = True
+                if decision.edits.content:
+                    self.content_ids.append(wid)
+                    self.headers.append(decision.edits.header)
+                    self.bodies.append(decision.edits.body)
         self.decisions[wid] = decision
+
+    def statement(self, stage: str) -> tuple[Any, dict[str, Any]]:
+        """The one statement that writes the batch, and its parameters."""
+        params: dict[str, Any] = {
+            "stage": stage,
+            "finished": self.finished,
+            "updates": Jsonb(self.updates),
+        }
+        if not self.edited:
+            return query("workqueue_record_outcomes"), params
+        params.update(content_ids=self.content_ids, headers=self.headers, bodies=self.bodies)
+        return query("workqueue_record_outcomes_edited"), params
 
 
 class StageRunner:
@@ -210,14 +234,7 @@ class StageRunner:
                 self._run_one(msg, batch)
             spent[wid] = time.perf_counter_ns() - t0
         if batch.finished or batch.updates:
-            self.conn.execute(
-                query("workqueue_record_outcomes"),
-                {
-                    "stage": self.stage.name,
-                    "finished": batch.finished,
-                    "updates": Jsonb(batch.updates),
-                },
-            )
+            self.conn.execute(*batch.statement(self.stage.name))
         # Database time is shared evenly by the batch's messages.
         overhead = (time.perf_counter_ns() - started - sum(spent.values())) // max(1, len(ids))
         lines = []
@@ -329,14 +346,15 @@ class StageRunner:
             return
         # An empty state (the common case) needs no copy to restore from.
         loaded_state = json.dumps(msg.state) if msg.state else "{}"
+        loaded = edits.snapshot(msg)
         if not self.fuse_into:
-            decision = self._decide(msg, loaded_state)
+            decision = self._decide(msg, loaded_state, loaded)
         else:
-            before = _metadata(msg)
             started = time.perf_counter_ns()
-            decision = self._decide(msg, loaded_state)
+            decision = self._decide(msg, loaded_state, loaded)
             if decision.outcome == "advance" and decision.stage in self.fuse_into:
-                decision = self._fuse(msg, decision, before, started, batch)
+                decision = self._fuse(msg, decision, loaded, started, batch)
+        decision = self._with_edits(msg, decision, loaded, loaded_state)
         if decision.error is not None:
             self._log_failure(msg, decision)
         batch.add(msg.id, decision)
@@ -352,6 +370,7 @@ class StageRunner:
         repair moved).
         """
         loaded_state = json.dumps(msg.state) if msg.state else "{}"
+        loaded = edits.snapshot(msg)
         decision: Decision | None = None
         try:
             with self.conn.transaction():
@@ -361,6 +380,8 @@ class StageRunner:
                 finally:
                     msg._db = None
                 decision = after_return(result, msg, loaded_state, self.stages, self.now)
+                if decision.error is None:
+                    decision = self._with_edits(msg, decision, loaded, loaded_state)
                 if decision.error is not None:
                     raise _Undo(decision)  # a host failure: its writes must not stay
                 if not self._record(msg, decision):
@@ -383,7 +404,8 @@ class StageRunner:
         batch.decisions[msg.id] = decision
 
     def _record(self, msg: Message, decision: Decision) -> bool:
-        """Write one row's outcome, guarded by its claim token; whether it was written."""
+        """Write one row's outcome, guarded by its claim token (then its edits, under the
+        lock that write holds); whether it was written."""
         row = self.conn.execute(
             query("workqueue_record_outcome_tx"),
             {
@@ -396,22 +418,58 @@ class StageRunner:
                 "state": None if decision.state is None else Jsonb(decision.state),
             },
         ).fetchone()
-        return bool(row and row[0])
+        written = bool(row and row[0])
+        if written and decision.edits is not None and decision.stage is not None:
+            self.conn.execute(
+                query("workqueue_edit"),
+                {
+                    "id": msg.id,
+                    "edits": Jsonb(decision.edits.columns),
+                    "header": decision.edits.header,
+                    "body": decision.edits.body,
+                },
+            )
+        return written
 
-    def _decide(self, msg: Message, loaded_state: str, func: StageFunc | None = None) -> Decision:
+    def _decide(
+        self,
+        msg: Message,
+        loaded_state: str,
+        before: edits.Snapshot,
+        func: StageFunc | None = None,
+    ) -> Decision:
+        """Run the stage; its decision. A stage that fails leaves no edits behind."""
         try:
             result = self._call(msg, func)
-            return after_return(result, msg, loaded_state, self.stages, self.now)
+            decision = after_return(result, msg, loaded_state, self.stages, self.now)
         except Exception as exc:  # any error is the stage's: PermanentError or a host failure
             if self.conn.broken and database_exit_code(exc) is not None:
                 raise  # our own connection went (a lazy body load): the batch answers 74/75
-            return after_raise(exc, msg, loaded_state, self.now)
+            decision = after_raise(exc, msg, loaded_state, self.now)
+        if decision.outcome in ("retry", "fail") and edits.changed(msg, before):
+            edits.restore(msg, before)
+        return decision
+
+    def _with_edits(
+        self, msg: Message, decision: Decision, loaded: edits.Snapshot, loaded_state: str
+    ) -> Decision:
+        """The decision with what the stage (or fused chain) changed in the message."""
+        if decision.stage is None:
+            return decision  # finished: nothing of the row is left to change
+        found = edits.edits(msg, loaded)
+        if found is None:
+            return decision
+        problem = edits.problem(found)
+        if problem is not None:  # the stage's mistake: a host failure, nothing changed
+            edits.restore(msg, loaded)
+            return after_raise(TypeError(problem), msg, loaded_state, self.now)
+        return decision._replace(edits=found)
 
     def _fuse(
         self,
         msg: Message,
         decision: Decision,
-        before: tuple[Any, ...],
+        loaded: edits.Snapshot,
         started: int,
         batch: Batch,
     ) -> Decision:
@@ -434,7 +492,8 @@ class StageRunner:
                 needs=handler[1],
                 depth=len(passes),
                 refused=not decision.fuse,
-                changed=_metadata(msg) != before,
+                # a rewritten message with recipients a later split would clone from
+                changed=len(msg.recipients) > 1 and edits.changed(msg, loaded),
                 overridden=successor.name in self.overridden,
                 transactional=is_transactional(handler[0]),
             ):
@@ -443,13 +502,14 @@ class StageRunner:
             msg.state = decision.state if decision.state is not None else {}
             loaded_state = json.dumps(msg.state) if msg.state else "{}"
             started = time.perf_counter_ns()
+            before = edits.snapshot(msg)
             if self.sink.enabled:  # P-11: a span per stage, fused or not
                 parent = msg.properties.get(TRACEPARENT)
                 with self.sink.stage_pass(msg.id, successor.name, parent) as outcome:
-                    decision = self._decide(msg, loaded_state, handler[0])
+                    decision = self._decide(msg, loaded_state, before, handler[0])
                     outcome(decision.outcome)
             else:
-                decision = self._decide(msg, loaded_state, handler[0])
+                decision = self._decide(msg, loaded_state, before, handler[0])
             passes.append((successor.name, time.perf_counter_ns() - started, decision.outcome))
         if len(passes) > 1:
             batch.passes[msg.id] = passes
@@ -506,11 +566,3 @@ def ended_by_server(conn: Conn) -> bool:
     except (OSError, ValueError):  # no usable socket: as good as ended
         return True
     return bool(readable)
-
-
-def _metadata(msg: Message) -> tuple[Any, ...]:
-    """What a fused successor would see differently if a stage changed it in memory."""
-    return (
-        msg.sender, msg.recipients, msg.header_from, msg.subject, msg.content_type,
-        msg.correlation_id, msg.message_id, dict(msg.properties),
-    )  # fmt: skip

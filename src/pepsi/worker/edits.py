@@ -1,0 +1,110 @@
+"""A stage's edits to its message: what changed since the row was loaded. Pure.
+
+A stage may change the message's metadata (the envelope sender, the
+recipients, the extracted headers, the message id, the producer
+properties) and replace its header block or body (`msg.header = ...`).
+What changed is written with the stage's outcome, in the same statement
+(issue 32: SRS rewrites the sender, DKIM adds a header field). A stage that
+fails leaves nothing: its edits are dropped with its outcome, and a fused
+chain keeps the edits of the stages before the one that failed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pepsi.addresses import MAX_TEXT, is_address
+from pepsi.stage import Message
+
+# The columns a stage may change, in the row's order.
+COLUMNS = (
+    "message_id", "sender", "recipients", "header_from", "subject", "content_type",
+    "correlation_id", "properties",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The metadata and replaced content of a message at one moment."""
+
+    values: tuple[Any, ...]  # COLUMNS' values (properties as a copy)
+    header: bytes | None
+    body: bytes | None
+
+
+@dataclass(frozen=True)
+class Edits:
+    """What a row's write changes besides its stage, status, timeout and state."""
+
+    columns: dict[str, Any]  # column -> new value (JSON)
+    header: bytes | None = None  # a new header block; None: as stored
+    body: bytes | None = None
+
+    @property
+    def content(self) -> bool:
+        return self.header is not None or self.body is not None
+
+
+def snapshot(msg: Message) -> Snapshot:
+    values = tuple(
+        dict(msg.properties) if name == "properties" else getattr(msg, name) for name in COLUMNS
+    )
+    return Snapshot(values, msg._new_header, msg._new_body)
+
+
+def restore(msg: Message, earlier: Snapshot) -> None:
+    """Undo what a stage changed since `earlier` (its outcome is a failure)."""
+    for name, value in zip(COLUMNS, earlier.values, strict=True):
+        setattr(msg, name, dict(value) if name == "properties" else value)
+    msg._new_header, msg._new_body = earlier.header, earlier.body
+
+
+def changed(msg: Message, loaded: Snapshot) -> bool:
+    """Whether the message differs from `loaded` (metadata or content)."""
+    return snapshot(msg) != loaded
+
+
+def edits(msg: Message, loaded: Snapshot) -> Edits | None:
+    """What changed since the row was loaded; None if nothing did."""
+    now = snapshot(msg)
+    if now == loaded:
+        return None
+    columns = {
+        name: list(value) if name == "recipients" else value
+        for name, value, before in zip(COLUMNS, now.values, loaded.values, strict=True)
+        if value != before
+    }
+    return Edits(columns, now.header, now.body)
+
+
+def problem(found: Edits) -> str | None:
+    """Why the edits cannot be written (a stage's mistake); None if they can."""
+    try:
+        for name, value in found.columns.items():
+            _check(name, value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _check(name: str, value: Any) -> None:
+    if name == "recipients":
+        if isinstance(value, str | bytes) or not all(isinstance(r, str) for r in value):
+            raise ValueError("msg.recipients must be a sequence of addresses")
+        for recipient in value:
+            if not is_address(recipient):
+                raise ValueError(f"msg.recipients: not an address: {recipient!r}")
+    elif name == "properties":
+        if not isinstance(value, dict):
+            raise ValueError("msg.properties must be a dict")
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"msg.properties is not JSON: {exc}") from None
+    elif value is not None:
+        if not isinstance(value, str) or "\x00" in value or len(value) > MAX_TEXT:
+            raise ValueError(f"msg.{name} must be text (no NUL, at most {MAX_TEXT})")
+        if name == "sender" and value != "" and not is_address(value):
+            raise ValueError(f"msg.sender: not an address: {value!r}")
