@@ -70,7 +70,65 @@ class Pause:
     reason: str | None = None
 
 
-Outcome = Advance | Finish | Pause
+@dataclass(frozen=True)
+class Defer:
+    """A part's recipients failed for now: retried on the stage's schedule (as a raise is)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    """A part's recipients failed for good (as a PermanentError is)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class NewMessage:
+    """A message a stage makes (a delivery status notification), written with its outcome.
+
+    It starts pending at `stage`, with the metadata given; `arrived` is the
+    moment it is written.
+    """
+
+    stage: str
+    header: bytes | None = None
+    body: bytes | None = None
+    sender: str | None = None  # '' is the null sender
+    recipients: tuple[str, ...] = ()
+    message_id: str | None = None
+    header_from: str | None = None
+    subject: str | None = None
+    content_type: str | None = None
+    properties: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Some of a message's recipients, and what becomes of them."""
+
+    recipients: tuple[str, ...]
+    outcome: Advance | Finish | Pause | Defer | Fail
+
+
+@dataclass(frozen=True)
+class Split:
+    """Recipients going different ways (a relay that delivered some, deferred others).
+
+    Each part carries on alone: the first part that is not finished stays on
+    the row, each other becomes a row of its own (sharing the body, W-9's
+    split), a finished part leaves none. The parts must name each of the
+    message's recipients once. `spawn`: messages made with the outcome, in
+    the same transaction (delivery status notifications).
+    """
+
+    parts: tuple[Part, ...]
+    spawn: tuple[NewMessage, ...] = ()
+
+
+Outcome = Advance | Finish | Pause | Split
 
 F = TypeVar("F", bound=Callable[..., Any])
 STAGE_ATTRIBUTE = "__pepsi_needs__"

@@ -1146,3 +1146,10 @@ SET message_id = CASE WHEN e ? 'message_id' THEN e ->> 'message_id' ELSE w.messa
     body_id = coalesce((SELECT s.body_id FROM stored s), w.body_id)
 FROM (SELECT %(edits)s::jsonb AS e) x
 WHERE w.workqueue_id = %(id)s;
+
+-- name: workqueue_record_split
+-- Issue 32: one message's split outcome and the messages it makes (see
+-- pepsi.workqueue_record_split); the new rows' ids, or NULL if nothing was written.
+SELECT pepsi.workqueue_record_split(
+    %(id)s, %(stage)s, %(parts)s::jsonb, %(spawn)s::jsonb, %(spawn_headers)s::bytea[],
+    %(spawn_bodies)s::bytea[], %(edits)s::jsonb, %(header)s::bytea, %(body)s::bytea, %(token)s);

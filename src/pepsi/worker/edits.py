@@ -83,13 +83,14 @@ def problem(found: Edits) -> str | None:
     """Why the edits cannot be written (a stage's mistake); None if they can."""
     try:
         for name, value in found.columns.items():
-            _check(name, value)
+            check(name, value)
     except ValueError as exc:
         return str(exc)
     return None
 
 
-def _check(name: str, value: Any) -> None:
+def check(name: str, value: Any) -> None:
+    """ValueError if `value` cannot be stored in column `name` (one of COLUMNS)."""
     if name == "recipients":
         if isinstance(value, str | bytes) or not all(isinstance(r, str) for r in value):
             raise ValueError("msg.recipients must be a sequence of addresses")

@@ -29,8 +29,19 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from pepsi.config.values import is_amqp_stage, stage_ref
-from pepsi.stage import Advance, Finish, Message, Pause, PermanentError
-from pepsi.worker.edits import Edits
+from pepsi.stage import (
+    Advance,
+    Defer,
+    Fail,
+    Finish,
+    Message,
+    NewMessage,
+    Part,
+    Pause,
+    PermanentError,
+    Split,
+)
+from pepsi.worker.edits import COLUMNS, Edits, check
 
 Clock = Callable[[], datetime]
 ERROR_LIMIT = 2000  # characters of an error kept in state.last_error
@@ -48,6 +59,9 @@ class Decision(NamedTuple):
     error: str | None = None  # a failure as logged (state.last_error has it truncated)
     fuse: bool = True  # an advance the stage let be fused (W-10)
     edits: Edits | None = None  # what the stage changed in the message (issue 32)
+    # A Split: each group of recipients with its own decision, and the messages made.
+    parts: tuple[tuple[tuple[str, ...], Decision], ...] | None = None
+    spawn: tuple[NewMessage, ...] = ()
 
     @property
     def exit_status(self) -> int:
@@ -117,8 +131,62 @@ def after_return(  # noqa: PLR0911  # one return per outcome reads best
             if reason:
                 state = {**state, "pause_reason": reason}
             return Decision("pause", msg.stage, "paused", state, until)
+        case Split():
+            return _split(result, msg, state, stages, now)
         case _:
             return _host_failure(msg, state, f"stage returned {result!r}, not an outcome", now)
+
+
+def _split(
+    split: Split, msg: Message, state: dict[str, Any], stages: Container[str], now: Clock
+) -> Decision:
+    """Each part's decision; the row's own is the first part's that is not finished."""
+    parts = [p for p in split.parts if isinstance(p, Part) and p.recipients]
+    problem = _split_problem(split, parts, msg.recipients, stages)
+    if problem is not None:
+        return _host_failure(msg, state, problem, now)
+    decided = tuple(
+        (tuple(part.recipients), _part(part.outcome, msg, state, stages, now)) for part in parts
+    )
+    if len(decided) == 1 and not split.spawn:
+        return decided[0][1]  # one group: an ordinary outcome
+    row = next((d for _, d in decided if d.stage is not None), FINISH)
+    return row._replace(parts=decided, spawn=tuple(split.spawn), error=None)
+
+
+def _part(
+    outcome: object, msg: Message, state: dict[str, Any], stages: Container[str], now: Clock
+) -> Decision:
+    match outcome:
+        case Defer(reason=reason):
+            return _host_failure(msg, state, reason, now)
+        case Fail(reason=reason):
+            return _permanent(msg, state, reason)
+        case Advance() | Finish() | Pause():
+            return after_return(outcome, msg, json.dumps(state), stages, now)
+    return _host_failure(msg, state, f"split part {outcome!r} is not an outcome", now)
+
+
+def _split_problem(
+    split: Split, parts: list[Part], recipients: tuple[str, ...], stages: Container[str]
+) -> str | None:
+    named = [r for part in parts for r in part.recipients]
+    if len(parts) != len(split.parts) or sorted(named) != sorted(recipients):
+        return "split: the parts must name each of the message's recipients once"
+    for made in split.spawn:
+        if not isinstance(made, NewMessage):
+            return f"split: spawn holds {made!r}, not a NewMessage"
+        target, problem = _advance_target(made.stage, stages)
+        if problem is not None:
+            return f"split: new message to stage {target!r}: {problem}"
+        try:
+            for name in COLUMNS:
+                if name not in ("correlation_id",):
+                    check(name, getattr(made, name))
+            json.dumps(made.state, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            return f"split: new message: {exc}"
+    return None
 
 
 def after_raise(exc: Exception, msg: Message, loaded_state: str, now: Clock) -> Decision:
@@ -131,15 +199,18 @@ def after_raise(exc: Exception, msg: Message, loaded_state: str, now: Clock) -> 
     if _state_problem(state) is not None:
         state = json.loads(loaded_state)
     if isinstance(exc, PermanentError):
-        error = str(exc)
-        new_state = {
-            **state,
-            "last_error": _error_text(error or "permanent"),
-            "failed_stage": msg.stage,
-            "failure_class": "permanent",
-        }
-        return Decision("fail", msg.stage, "failed", new_state, error=error)
+        return _permanent(msg, state, str(exc))
     return _host_failure(msg, state, f"{type(exc).__name__}: {exc}", now)
+
+
+def _permanent(msg: Message, state: dict[str, Any], error: str) -> Decision:
+    new_state = {
+        **state,
+        "last_error": _error_text(error or "permanent"),
+        "failed_stage": msg.stage,
+        "failure_class": "permanent",
+    }
+    return Decision("fail", msg.stage, "failed", new_state, error=error)
 
 
 def _state_problem(state: object) -> str | None:

@@ -40,7 +40,7 @@ from pepsi.errors import (
     database_exit_code,
 )
 from pepsi.protocol import Pass, format_status
-from pepsi.stage import Message, Needs, is_transactional, needs_of
+from pepsi.stage import Message, Needs, NewMessage, is_transactional, needs_of
 from pepsi.telemetry import NO_SINK, TRACEPARENT, Sink
 from pepsi.worker import edits
 from pepsi.worker.fusion import fusable, may_fuse
@@ -94,12 +94,15 @@ class Batch:
     passes: dict[int, list[tuple[str, int, str]]] = field(default_factory=dict)
 
     edited: bool = False  # some update changes the message too (issue 32)
+    splits: list[tuple[int, Decision]] = field(default_factory=list)
     content_ids: list[int] = field(default_factory=list)
     headers: list[bytes | None] = field(default_factory=list)
     bodies: list[bytes | None] = field(default_factory=list)
 
     def add(self, wid: int, decision: Decision) -> None:
-        if decision.stage is None:
+        if decision.parts is not None:
+            self.splits.append((wid, decision))  # a statement of its own (split_params)
+        elif decision.stage is None:
             self.finished.append(wid)
         else:
             self.updates.append(decision.row(wid))
@@ -233,8 +236,7 @@ class StageRunner:
             else:
                 self._run_one(msg, batch)
             spent[wid] = time.perf_counter_ns() - t0
-        if batch.finished or batch.updates:
-            self.conn.execute(*batch.statement(self.stage.name))
+        self._write(batch)
         # Database time is shared evenly by the batch's messages.
         overhead = (time.perf_counter_ns() - started - sum(spent.values())) // max(1, len(ids))
         lines = []
@@ -254,6 +256,14 @@ class StageRunner:
                 ]
             lines.append(format_status(decision.exit_status, report))
         return b"".join(lines)
+
+    def _write(self, batch: Batch) -> None:
+        """The batch's outcomes: a split each (issue 32), then all the rest at once."""
+        for wid, decision in batch.splits:
+            params = split_params(wid, self.stage.name, decision)
+            self.conn.execute(query("workqueue_record_split"), params)
+        if batch.finished or batch.updates:
+            self.conn.execute(*batch.statement(self.stage.name))
 
     def _check_overrides(self) -> None:
         row = self.conn.execute(
@@ -355,8 +365,7 @@ class StageRunner:
             if decision.outcome == "advance" and decision.stage in self.fuse_into:
                 decision = self._fuse(msg, decision, loaded, started, batch)
         decision = self._with_edits(msg, decision, loaded, loaded_state)
-        if decision.error is not None:
-            self._log_failure(msg, decision)
+        self._log_failures(msg, decision)
         batch.add(msg.id, decision)
 
     def _run_transactional(self, msg: Message, batch: Batch) -> None:
@@ -399,13 +408,16 @@ class StageRunner:
         if decision is None or not self._record(msg, decision):
             log.info("message %d is no longer this worker's: its writes rolled back", msg.id)
             return
-        if decision.error is not None:
-            self._log_failure(msg, decision)
+        self._log_failures(msg, decision)
         batch.decisions[msg.id] = decision
 
     def _record(self, msg: Message, decision: Decision) -> bool:
         """Write one row's outcome, guarded by its claim token (then its edits, under the
         lock that write holds); whether it was written."""
+        if decision.parts is not None:
+            params = split_params(msg.id, self.stage.name, decision, token=msg._token)
+            found = self.conn.execute(query("workqueue_record_split"), params).fetchone()
+            return found is not None and found[0] is not None
         row = self.conn.execute(
             query("workqueue_record_outcome_tx"),
             {
@@ -527,7 +539,17 @@ class StageRunner:
                 self.handlers[stage.name] = (func, needs_of(func))
         return self.handlers[stage.name]
 
-    def _log_failure(self, msg: Message, decision: Decision) -> None:
+    def _log_failures(self, msg: Message, decision: Decision) -> None:
+        """Log a failed outcome: the message's, or each failed part's of a split."""
+        if decision.parts is None:
+            if decision.error is not None:
+                self._log_failure(msg, decision)
+            return
+        for recipients, part in decision.parts:
+            if part.error is not None:
+                self._log_failure(msg, part, f" ({len(recipients)} of its recipients)")
+
+    def _log_failure(self, msg: Message, decision: Decision, which: str = "") -> None:
         wid = msg.id
         stage_log = (
             self.stage_log
@@ -537,16 +559,54 @@ class StageRunner:
         state = decision.state or {}
         if decision.outcome == "retry":
             stage_log.warning(
-                "message %d: %s; retry %d at %s",
+                "message %d%s: %s; retry %d at %s",
                 wid,
+                which,
                 decision.error,
                 state["temporary_failures"],
                 decision.timeout,
             )
         elif state.get("failure_class") == "permanent":
-            stage_log.error("message %d failed permanently: %s", wid, decision.error)
+            stage_log.error("message %d%s failed permanently: %s", wid, which, decision.error)
         else:
-            stage_log.error("message %d: %s; giving up after retries", wid, decision.error)
+            stage_log.error("message %d%s: %s; giving up after retries", wid, which, decision.error)
+
+
+def split_params(
+    wid: int, stage: str, decision: Decision, token: str | None = None
+) -> dict[str, Any]:
+    """`workqueue_record_split`'s parameters for a split decision (issue 32); `stage`
+    is the one the row was claimed at."""
+    assert decision.parts is not None
+    found = decision.edits
+    parts = [{"recipients": list(group), **part.row(wid)} for group, part in decision.parts]
+    return {
+        "id": wid,
+        "stage": stage,
+        "parts": Jsonb(parts),
+        "spawn": Jsonb([_made(m) for m in decision.spawn]),
+        "spawn_headers": [m.header for m in decision.spawn],
+        "spawn_bodies": [m.body for m in decision.spawn],
+        "edits": None if found is None else Jsonb(found.columns),
+        "header": None if found is None else found.header,
+        "body": None if found is None else found.body,
+        "token": token,
+    }
+
+
+def _made(message: NewMessage) -> dict[str, Any]:
+    """A new message's metadata as `workqueue_record_split` reads it."""
+    return {
+        "stage": message.stage,
+        "sender": message.sender,
+        "recipients": list(message.recipients),
+        "message_id": message.message_id,
+        "header_from": message.header_from,
+        "subject": message.subject,
+        "content_type": message.content_type,
+        "properties": message.properties,
+        "state": message.state,
+    }
 
 
 def ended_by_server(conn: Conn) -> bool:
