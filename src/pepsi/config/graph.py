@@ -1,5 +1,5 @@
-"""The stage graph: NEXT, BOUNCE_STAGE and built-in routes (THEN, ELSE) must name
-stages; cycles are warnings."""
+"""The stage graph: NEXT, BOUNCE_STAGE, built-in routes (THEN, ELSE) and the stages
+built-ins make messages in (DSN_STAGE) must name stages; cycles are warnings."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ def validate_graph(stages: Mapping[str, StageConfig], raw: RawSections) -> list[
     for stage in stages.values():
         section = STAGE_PREFIX + stage.name
         keys = raw.get(section, {})
-        edges = (("NEXT", stage.next), ("BOUNCE_STAGE", stage.bounce_stage), *stage.routes)
+        edges = (
+            ("NEXT", stage.next), ("BOUNCE_STAGE", stage.bounce_stage), *stage.routes,
+            *stage.spawns,  # must exist, but a message made there is a new message: no cycle
+        )  # fmt: skip
         for key, target in edges:
             if target is not None and target not in stages and not is_amqp_stage(target):
                 hint = difflib.get_close_matches(target, list(stages), n=1)

@@ -165,6 +165,12 @@ class StageConfig:
         return routes
 
     @property
+    def spawns(self) -> tuple[tuple[str, str], ...]:
+        """A built-in's stages for the messages it makes, (KEY, stage): a relay's DSN_STAGE."""
+        spawns: tuple[tuple[str, str], ...] = getattr(self.builtin_options, "spawns", ())
+        return spawns
+
+    @property
     def capacity(self) -> int:
         """Messages in flight at once for this stage (P-6, R-5)."""
         return self.parallelism * self.queue_limit

@@ -4,22 +4,59 @@ With a BOUNCE_STAGE the message goes there (pending), as a message whose
 retries ran out would; without one it fails here at once, and the failure
 bouncer (`pepsi failure-bouncer`) takes it to its sink. Either way the
 state says why: `last_error` (REASON), `failed_stage`, `failure_class`.
+
+With DSN_STAGE, a mail message (one with an envelope) is reported to its
+sender instead: a failure delivery status notification for each recipient
+that did not refuse one (NOTIFY), written into DSN_STAGE with the outcome,
+and the message is finished. The report's reason is generic (its status:
+4.4.7 once retries ran out, 5.0.0 otherwise); the error stays in the
+message's state. A message that cannot be reported (the null sender, a
+mailing-list copy) takes the path above.
 """
 
 from __future__ import annotations
 
-from pepsi.stage import Advance, Message, PermanentError, stage
+import socket
+from datetime import UTC, datetime
+
+from pepsi.mail import delivery
+from pepsi.stage import Advance, Finish, Message, Part, PermanentError, Split, stage
 from pepsi.stages.options import BounceOptions
 
 FAILURE_CLASS = "permanent"  # what a PermanentError records, so both paths agree
+EXPIRED = "4.4.7"  # RFC 3463: delivery time expired
 
 
 @stage
-def run(msg: Message) -> Advance:
+def run(msg: Message) -> Advance | Split | Finish:
     options: BounceOptions = msg.options.builtin_options
+    if options.dsn_stage is not None and msg.sender is not None and msg.recipients:
+        context = _context(msg, options)
+        if delivery.reportable(context):
+            status = EXPIRED if msg.state.get("failure_class") == "retries-exhausted" else "5.0.0"
+            report = delivery.failure_report(context, status)
+            if report is None:  # every recipient's NOTIFY refused a report
+                return Finish()
+            return Split((Part(tuple(msg.recipients), Finish()),), spawn=(report,))
     reason = options.reason or f"bounced at stage {msg.stage}"
     target = msg.options.bounce_stage
     if target is None:
         raise PermanentError(reason)  # failed here: the failure bouncer's to take
     msg.state.update(last_error=reason, failed_stage=msg.stage, failure_class=FAILURE_CLASS)
     return Advance(target)
+
+
+def _context(msg: Message, options: BounceOptions) -> delivery.Context:
+    return delivery.Context(
+        sender=msg.sender,
+        recipients=msg.recipients,
+        arrived=msg.arrived,
+        smtp=msg.properties.get("smtp", {}),
+        state=msg.state,
+        header=msg.header or b"",  # loaded on first access: a report returns the message
+        body=msg.body or b"",
+        dsn_stage=options.dsn_stage,
+        delay_dsn_after=0.0,
+        hostname=options.hostname or socket.getfqdn(),
+        now=datetime.now(UTC),
+    )

@@ -15,6 +15,16 @@ from typing import Any
 
 from pepsi.config.values import stage_ref
 from pepsi.stages.condition import Condition, Const, Truthy, parse_condition, render
+from pepsi.stages.mail_options import (
+    BOUNCE_MAIL_KEYS,
+    DKIM_KEYS,
+    INTERNET_KEYS,
+    SMARTHOST_KEYS,
+    SRS_KEYS,
+    DkimOptions,
+    RelayOptions,
+    SrsOptions,
+)
 
 PROGRAM_PREFIX = "pepsi-stage-"
 # Pepsi's own bookkeeping in the state: a SET of these would corrupt it.
@@ -63,10 +73,16 @@ class SetOptions:
 @dataclass(frozen=True)
 class BounceOptions:
     reason: str | None = None  # None: "bounced at stage NAME"
+    dsn_stage: str | None = None  # mail: the failure report goes there (issue 32)
+    hostname: str | None = None  # the report's Reporting-MTA; None: the machine's name
 
     @property
     def routes(self) -> tuple[tuple[str, str], ...]:
         return ()
+
+    @property
+    def spawns(self) -> tuple[tuple[str, str], ...]:
+        return (("DSN_STAGE", self.dsn_stage),) if self.dsn_stage else ()
 
     def describe(self) -> str:
         return "bounce" + (f" ({self.reason})" if self.reason else "")
@@ -82,7 +98,15 @@ class DiscardOptions:
         return "discard"
 
 
-BuiltinOptions = IfOptions | SetOptions | BounceOptions | DiscardOptions
+BuiltinOptions = (
+    IfOptions
+    | SetOptions
+    | BounceOptions
+    | DiscardOptions
+    | RelayOptions
+    | DkimOptions
+    | SrsOptions
+)
 Spec = Mapping[str, tuple[str, Callable[[str], Any]]]
 
 
@@ -112,7 +136,38 @@ def _build_set(_stage: str, values: Mapping[str, Any]) -> SetOptions:
 
 
 def _build_bounce(_stage: str, values: Mapping[str, Any]) -> BounceOptions:
-    return BounceOptions(values.get("reason"))
+    return BounceOptions(**values)
+
+
+def _build_smarthost(_stage: str, values: Mapping[str, Any]) -> RelayOptions:
+    if "host" not in values:
+        raise OptionError("HOST", "required by pepsi-stage-relay-to-smarthost (the smarthost)")
+    if ("auth_user" in values) != ("auth_secret_file" in values):
+        key = "AUTH_USER" if "auth_user" in values else "AUTH_SECRET_FILE"
+        raise OptionError(key, "set AUTH_USER and AUTH_SECRET_FILE together")
+    if "auth_user" in values and values.get("tls", "starttls") == "none":
+        raise OptionError(
+            "AUTH_USER", "AUTH over a plain connection would send the secret in clear: set TLS"
+        )
+    return RelayOptions(**values)
+
+
+def _build_internet(_stage: str, values: Mapping[str, Any]) -> RelayOptions:
+    return RelayOptions(**values, tls="may")
+
+
+def _build_dkim(_stage: str, values: Mapping[str, Any]) -> DkimOptions:
+    for key, attr in (("DOMAIN", "domain"), ("SELECTOR", "selector"), ("KEY_FILE", "key_file")):
+        if attr not in values:
+            raise OptionError(key, "required by pepsi-stage-dkim-sign")
+    return DkimOptions(**values)
+
+
+def _build_srs(_stage: str, values: Mapping[str, Any]) -> SrsOptions:
+    for key, attr in (("DOMAIN", "domain"), ("SECRET_FILE", "secret_file")):
+        if attr not in values:
+            raise OptionError(key, "required by pepsi-stage-srs")
+    return SrsOptions(**values)
 
 
 def _build_discard(_stage: str, _values: Mapping[str, Any]) -> DiscardOptions:
@@ -192,8 +247,19 @@ BUILTINS: Mapping[str, Builtin] = {
     "tag": Builtin("tag", "pepsi.stages.set_:run", _SET_KEYS, _build_set),  # set's other name
     "discard": Builtin("discard", "pepsi.stages.discard:run", {}, _build_discard),
     "bounce": Builtin(
-        "bounce", "pepsi.stages.bounce:run", {"REASON": ("reason", reason)}, _build_bounce
+        "bounce",
+        "pepsi.stages.bounce:run",
+        {"REASON": ("reason", reason), **BOUNCE_MAIL_KEYS},
+        _build_bounce,
     ),
+    "relay-to-smarthost": Builtin(
+        "relay-to-smarthost", "pepsi.stages.relay:to_smarthost", SMARTHOST_KEYS, _build_smarthost
+    ),
+    "relay-to-internet": Builtin(
+        "relay-to-internet", "pepsi.stages.relay:to_internet", INTERNET_KEYS, _build_internet
+    ),
+    "dkim-sign": Builtin("dkim-sign", "pepsi.stages.dkim:run", DKIM_KEYS, _build_dkim),
+    "srs": Builtin("srs", "pepsi.stages.srs:run", SRS_KEYS, _build_srs),
 }
 
 

@@ -46,5 +46,12 @@ def load_handler(stage: StageConfig) -> StageFunc:
         raise WorkerRefused(f"importing {module_name} failed: {detail}", **where) from None
     if not callable(target):
         raise WorkerRefused(f"{stage.handler} is not callable", **where)
+    check = getattr(stage.builtin_options, "check_at_start", None)
+    if check is not None:  # a built-in's files (a key, a secret): readable, or refuse (W-3)
+        try:
+            check()
+        except ValueError as exc:
+            key = getattr(exc, "key", None)
+            raise WorkerRefused(str(exc), section=f"stage-{stage.name}", key=key) from None
     func: StageFunc = target
     return func

@@ -1,0 +1,37 @@
+"""`pepsi-stage-dkim-sign`: a DKIM-Signature (RFC 6376) on top of the header block.
+
+DOMAIN, SELECTOR, KEY_FILE (an RSA key in PEM, read when the worker starts)
+and HEADERS (the fields to sign; From always). The signature covers the
+header block and the body as they are stored, relaxed/relaxed; the stage
+goes on to NEXT with the new header block (`pepsi.mail.dkim`).
+"""
+
+from __future__ import annotations
+
+from pepsi.config import StageConfig
+from pepsi.mail import dkim
+from pepsi.stage import Advance, Message, Needs, stage
+from pepsi.stages.mail_options import DkimOptions, read_secret
+
+_SIGNERS: dict[str, dkim.Signer] = {}
+
+dkim.install()
+
+
+@stage(Needs.BODY)
+def run(msg: Message) -> Advance:
+    header = msg.header or b""
+    signature = _signer(msg.options).signature(header + b"\r\n" + (msg.body or b""))
+    msg.header = signature + header
+    return Advance()
+
+
+def _signer(config: StageConfig) -> dkim.Signer:
+    signer = _SIGNERS.get(config.name)
+    if signer is None:
+        options: DkimOptions = config.builtin_options
+        pem = read_secret("KEY_FILE", options.key_file)
+        signer = _SIGNERS[config.name] = dkim.Signer(
+            options.domain, options.selector, pem, options.headers
+        )
+    return signer

@@ -1,0 +1,129 @@
+"""DKIM signing (pepsi.mail.dkim) and SRS (pepsi.mail.srs): pure, no network."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+from pathlib import Path
+
+import dkim
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
+
+from pepsi.mail import dkim as signing
+from pepsi.mail import srs
+
+MESSAGE = (
+    b"From: Alice <alice@example.com>\r\nTo: bob@example.org\r\nSubject: hi there\r\n"
+    b"Date: Sat, 05 Dec 2026 12:00:00 +0000\r\nMessage-ID: <1@example.com>\r\n\r\n"
+    b"Hello,   world.  \r\n\r\n\r\n"
+)
+
+
+@pytest.fixture(scope="module")
+def pem() -> bytes:
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.TraditionalOpenSSL,
+        serialization.NoEncryption(),
+    )
+
+
+def txt_record(pem: bytes) -> bytes:
+    key = serialization.load_pem_private_key(pem, None)
+    public = key.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return b"v=DKIM1; k=rsa; p=" + base64.b64encode(public)
+
+
+def test_openssl_gives_dkimpy_s_own_signature_byte_for_byte(
+    pem: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dkim.time, "time", lambda: 1796400000)  # t= the same in both
+    # dkimpy's own RSA (dkim.crypto keeps it, whatever install() did to dkim's name for it)
+    monkeypatch.setattr(dkim, "RSASSA_PKCS1_v1_5_sign", dkim.crypto.RSASSA_PKCS1_v1_5_sign)
+    pure = dkim.sign(MESSAGE, b"s1", b"example.com", pem, canonicalize=signing.CANONICALIZATION)
+    signing.install()
+    assert dkim.RSASSA_PKCS1_v1_5_sign is signing.openssl_sign
+    fast = dkim.sign(MESSAGE, b"s1", b"example.com", pem, canonicalize=signing.CANONICALIZATION)
+    assert fast == pure
+
+
+def test_a_signature_verifies_and_breaks_when_the_message_changes(pem: bytes) -> None:
+    signing.install()
+    signer = signing.Signer("example.com", "s1", pem, ["from", "to", "subject", "date"])
+    field = signer.signature(MESSAGE)
+    assert field.startswith(b"DKIM-Signature: v=1; a=rsa-sha256; c=relaxed/relaxed; d=example.com;")
+    assert field.endswith(b"\r\n")
+    record = txt_record(pem)
+
+    def dns(name: bytes, timeout: int = 5) -> bytes:
+        assert name == b"s1._domainkey.example.com."
+        return record
+
+    assert dkim.verify(field + MESSAGE, dnsfunc=dns)
+    assert not dkim.verify(field + MESSAGE.replace(b"Hello", b"Hallo"), dnsfunc=dns)
+
+
+def test_keys_that_cannot_sign_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a PEM private key"):
+        signing.load_key(b"not a key")
+    other = ed25519.Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="not an RSA key"):
+        signing.load_key(other)
+    short = tmp_path / "short.pem"
+    subprocess.run(
+        ["openssl", "genrsa", "-out", str(short), "512"], check=True, capture_output=True
+    )
+    with pytest.raises(ValueError, match="too short"):
+        signing.load_key(short.read_bytes())
+
+
+SECRET = b"a secret of the forwarder"
+NOW = 1796400000.0
+
+
+def test_srs0_round_trip() -> None:
+    rewritten = srs.forward("Alice@sender.org", "fwd.example", SECRET, NOW)
+    local, _, domain = rewritten.rpartition("@")
+    assert domain == "fwd.example"
+    assert local.startswith("SRS0=")
+    assert local.endswith("=sender.org=Alice")
+    assert srs.reverse(rewritten, "fwd.example", SECRET, NOW, 21 * 86400) == "Alice@sender.org"
+    # some hops lower-case a local part: still ours
+    assert srs.reverse(rewritten.lower(), "fwd.example", SECRET, NOW, 21 * 86400) == (
+        "alice@sender.org"
+    )
+    assert srs.is_srs(rewritten, "fwd.example")
+
+
+def test_srs_refuses_forgeries_expired_and_foreign_addresses() -> None:
+    rewritten = srs.forward("alice@sender.org", "fwd.example", SECRET, NOW)
+    assert srs.reverse(rewritten, "fwd.example", b"another secret", NOW, 21 * 86400) is None
+    tampered = rewritten.replace("alice", "mallory")
+    assert srs.reverse(tampered, "fwd.example", SECRET, NOW, 21 * 86400) is None
+    later = NOW + 22 * 86400
+    assert srs.reverse(rewritten, "fwd.example", SECRET, later, 21 * 86400) is None
+    assert srs.reverse(rewritten, "elsewhere.example", SECRET, NOW, 21 * 86400) is None
+    assert srs.reverse("bob@fwd.example", "fwd.example", SECRET, NOW, 21 * 86400) is None
+
+
+def test_a_second_forwarder_writes_srs1_and_a_bounce_goes_back_to_the_first() -> None:
+    first = srs.forward("alice@sender.org", "first.example", b"first secret", NOW)
+    second = srs.forward(first, "second.example", SECRET, NOW)
+    assert second.startswith("SRS1=")
+    assert second.endswith("@second.example")
+    third = srs.forward(second, "third.example", b"third", NOW)  # SRS1 stays SRS1
+    assert third.startswith("SRS1=")
+    assert "=first.example==" in third
+    back = srs.reverse(second, "second.example", SECRET, NOW, 21 * 86400)
+    assert back == first  # the bounce goes to the first forwarder, which decodes its own
+    assert srs.reverse(back, "first.example", b"first secret", NOW, 21 * 86400) == (
+        "alice@sender.org"
+    )
