@@ -26,13 +26,16 @@ STAMP = VENV / ".pepsi-install-stamp"
 # Programs from the system the tests need -> the Debian package of each: etcd is
 # Patroni's store in the three-node cluster tests (tests/cluster/), Chromium and its
 # driver run the browser tests, swaks is a real SMTP client for the mail ingress
-# tests, and openssl makes their certificate.
+# tests, openssl makes their certificate, Postfix receives the mail the relay tests
+# send (and its smtp-source drives bench/mail.py), dnsmasq serves their MX records.
 SYSTEM_PACKAGES = {
     "etcd": "etcd-server",
     "chromium": "chromium",
     "chromedriver": "chromium-driver",
     "swaks": "swaks libnet-ssleay-perl",  # the Perl module is its TLS (a Recommends)
     "openssl": "openssl",
+    "postfix": "postfix",
+    "dnsmasq": "dnsmasq-base",
 }
 QUICK = "not cluster and not browser"  # the tests run four at a time
 NO_TESTS_COLLECTED = 5  # pytest's status when a selection matches no test

@@ -31,12 +31,21 @@ class IngressProcess:
     """One ingress process on a test's database; `smtp` is its (host, port)."""
 
     def __init__(
-        self, dsn: str, tmp: Path, ingress: str = "", stages: str = "", name: str = "ingress"
+        self,
+        dsn: str,
+        tmp: Path,
+        ingress: str = "",
+        stages: str = "",
+        name: str = "ingress",
+        *,
+        conf: str | None = None,  # the whole configuration instead
     ) -> None:
         self.dsn = dsn
         self.conf = tmp / f"{name}.conf"
         listen = "" if re.search(r"^LISTEN\b", ingress, re.MULTILINE) else "LISTEN = 127.0.0.1:0\n"
-        self.conf.write_text(BASE.format(listen=listen, ingress=ingress, stages=stages))
+        self.conf.write_text(
+            conf if conf is not None else BASE.format(listen=listen, ingress=ingress, stages=stages)
+        )
         self.log_path = tmp / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.addresses: dict[str, tuple[str, int] | str] = {}

@@ -127,3 +127,15 @@ def test_a_second_forwarder_writes_srs1_and_a_bounce_goes_back_to_the_first() ->
     assert srs.reverse(back, "first.example", b"first secret", NOW, 21 * 86400) == (
         "alice@sender.org"
     )
+
+
+def test_only_fields_the_message_has_are_signed(pem: bytes) -> None:
+    signing.install()
+    signer = signing.Signer("example.com", "s1", pem, ["from", "cc", "subject", "date"])
+    field = signer.signature(MESSAGE)  # no Cc:
+    tags = dict(
+        part.strip().split("=", 1)
+        for part in field.decode().split(":", 1)[1].replace("\r\n", "").split(";")
+        if "=" in part
+    )
+    assert [h.strip() for h in tags["h"].split(":")] == ["from", "subject", "date"]

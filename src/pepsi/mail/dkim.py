@@ -73,13 +73,30 @@ class Signer:
         self.headers = [h.encode("ascii") for h in headers]
 
     def signature(self, message: bytes) -> bytes:
-        """The DKIM-Signature field (with its CRLF) to put on top of `message`."""
+        """The DKIM-Signature field (with its CRLF) to put on top of `message`.
+
+        Only the wanted fields the message has are signed (and From always): a
+        field named but absent would forbid a later hop to add it (Postfix
+        adds a missing Date:), which breaks the signature for nothing.
+        """
+        present = set(_field_names(message))
+        wanted = [h for h in self.headers if h == b"from" or h in present]
         field: bytes = dkim.sign(
             message,
             self.selector,
             self.domain,
             self.pem,
             canonicalize=CANONICALIZATION,
-            include_headers=self.headers,
+            include_headers=wanted,
         )
         return field
+
+
+def _field_names(message: bytes) -> list[bytes]:
+    """The header field names of `message`, lower case."""
+    header = message.split(b"\r\n\r\n", 1)[0]
+    return [
+        line.split(b":", 1)[0].strip().lower()
+        for line in header.split(b"\r\n")
+        if line and line[:1] not in (b" ", b"\t") and b":" in line
+    ]

@@ -88,27 +88,28 @@ def route(domain: str, resolver: dns.resolver.Resolver) -> list[Hop]:
 def _addresses(
     host: str, preference: int, resolver: dns.resolver.Resolver, *, implicit: bool
 ) -> list[Hop]:
+    """A host's A and AAAA records; one kind failing is no failure if the other answers."""
     found: list[Hop] = []
-    missing = True
+    problems: list[str] = []
+    exists = False
     for kind in ("A", "AAAA"):
         try:
             answer = resolver.resolve(host, kind)
         except dns.resolver.NXDOMAIN:
-            if implicit:
-                raise RouteError(
-                    f"domain {host} does not exist", permanent=True, status="5.1.2"
-                ) from None
             break
         except dns.resolver.NoAnswer:
+            exists = True
             continue
         except dns.exception.DNSException as exc:
-            raise RouteError(
-                f"address lookup for {host} failed: {exc}", permanent=False, status="4.4.3"
-            ) from None
-        missing = False
+            problems.append(f"{kind} lookup for {host} failed: {exc}")
+            continue
+        exists = True
         found += [Hop(host, record.to_text(), preference) for record in answer]
-    if missing and implicit:
-        raise RouteError(f"{host} has no MX and no address", permanent=True, status="5.1.2")
-    if missing:
-        raise RouteError(f"MX host {host} has no address", permanent=False, status="4.4.3")
-    return found
+    if found:
+        return found
+    if problems:
+        raise RouteError("; ".join(problems), permanent=False, status="4.4.3")
+    if implicit:  # the domain itself, without MX: gone, or no address
+        what = "has no MX and no address" if exists else "does not exist"
+        raise RouteError(f"domain {host} {what}", permanent=True, status="5.1.2")
+    raise RouteError(f"MX host {host} has no address", permanent=False, status="4.4.3")

@@ -1,0 +1,248 @@
+"""Mail out (SPEC M-4 to M-6) with real mail software: Postfix receives, dnsmasq answers.
+
+A real dispatcher runs the relay stages in real worker processes; Postfix
+(a second instance, configured as Debian ships it) is the smarthost or the
+MX host and delivers to a Maildir the test reads; dnsmasq serves the MX and
+DKIM records on a loopback port.
+"""
+
+from __future__ import annotations
+
+import email
+import signal
+import smtplib
+from collections.abc import Iterator
+from email import policy
+from pathlib import Path
+
+import dkim
+import dns.resolver
+import psutil
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from pepsi.config import load_config
+from pepsi.publishing import OutgoingMessage, Publisher
+from tests import postfix
+from tests.mail_server import IngressProcess, queued_id
+from tests.scenarios.conftest import Pipeline, wait_until
+
+pytestmark = pytest.mark.skipif(postfix.missing() is not None, reason=str(postfix.missing()))
+
+DOMAINS = ("example.test", "sender.test")
+RETRIES = "RETRY_DELAY = 1s\nRETRY_MAX_DELAY = 1s\n"
+
+
+@pytest.fixture
+def receiver() -> Iterator[postfix.Postfix]:
+    server = postfix.Postfix(domains=DOMAINS).start()
+    yield server
+    server.close()
+
+
+def smarthost(server: postfix.Postfix, extra: str = "") -> str:
+    return (
+        "[stage-relay]\nPROGRAM = pepsi-stage-relay-to-smarthost\nHOST = 127.0.0.1\n"
+        f"PORT = {server.port}\nTLS = none\nDSN_STAGE = relay\n{RETRIES}{extra}"
+    )
+
+
+def mail(subject: str, *recipients: str, sender: str = "alice@sender.test") -> OutgoingMessage:
+    header = (
+        f"From: Alice <{sender}>\r\nTo: {', '.join(recipients)}\r\nSubject: {subject}\r\n"
+        f"Message-ID: <{subject}@sender.test>\r\n"
+    ).encode()
+    return OutgoingMessage(
+        "relay", b"Hello.\r\n", header, sender=sender, recipients=tuple(recipients),
+        subject=subject,
+    )  # fmt: skip
+
+
+def publish(pipeline: Pipeline, messages: list[OutgoingMessage]) -> None:
+    with Publisher.connect(load_config(pipeline.conf), pipeline.dsn) as publisher:
+        for start in range(0, len(messages), 500):
+            publisher.publish_many(messages[start : start + 500])
+
+
+def delivered_count(server: postfix.Postfix) -> int:
+    folder = server.mail / "all" / "new"
+    return len(list(folder.iterdir())) if folder.exists() else 0
+
+
+def parse(data: bytes) -> email.message.EmailMessage:
+    message = email.message_from_bytes(data, policy=policy.default)
+    assert isinstance(message, email.message.EmailMessage)
+    return message
+
+
+def reported(report: bytes) -> list[str]:
+    """The Final-Recipient lines of a delivery status notification."""
+    return [
+        line.split(";", 1)[1].strip()
+        for line in report.decode().splitlines()
+        if line.startswith("Final-Recipient:")
+    ]
+
+
+def test_accepted_deferred_and_refused_recipients_each_end_their_own_way(
+    pipeline: Pipeline, receiver: postfix.Postfix
+) -> None:
+    receiver.access({
+        "defer@example.test": "450 4.2.0 try later",
+        "bad@example.test": "550 5.1.1 no such user here",
+    })  # fmt: skip
+    pipeline.configure(smarthost(receiver))
+    pipeline.start()
+    publish(pipeline, [mail("three", "ok@example.test", "defer@example.test", "bad@example.test")])
+    wait_until(lambda: receiver.mailbox("ok@example.test"), what="the accepted delivery")
+    (bounce,) = wait_until(lambda: receiver.mailbox("alice@sender.test"), what="the report")
+    dsn = parse(bounce)
+    assert dsn["Return-Path"] == "<>"  # from the null sender
+    assert dsn.get_content_type() == "multipart/report"
+    assert reported(bounce) == ["bad@example.test"]  # only the refused recipient
+    assert b"no such user here" not in bounce  # the reason is generic
+    assert pipeline.scalar(
+        "SELECT state->>'temporary_failures' FROM pepsi.workqueue"
+        " WHERE recipients = '{defer@example.test}'"
+    )
+    receiver.access({"bad@example.test": "550 5.1.1 no such user here"})  # defer@ now accepted
+    wait_until(lambda: receiver.mailbox("defer@example.test"), what="the retried delivery")
+    wait_until(pipeline.settled, what="the pipeline to settle")
+    assert len(receiver.mailbox("ok@example.test")) == 1  # exactly once: not sent again
+    assert len(receiver.mailbox("defer@example.test")) == 1
+    assert len(receiver.mailbox("alice@sender.test")) == 1
+    assert len(receiver.mailbox("bad@example.test")) == 0
+
+
+def test_a_receiver_that_is_down_loses_nothing(
+    pipeline: Pipeline, receiver: postfix.Postfix
+) -> None:
+    receiver.stop()
+    pipeline.configure(smarthost(receiver))
+    pipeline.start()
+    (wid,) = pipeline.publish("relay", body=b"x\r\n", header=b"Subject: down\r\n",
+                              sender="alice@sender.test", recipients=["ok@example.test"])  # fmt: skip
+    wait_until(
+        lambda: (pipeline.row(wid) or ("", "", {}))[2].get("temporary_failures", 0) >= 2,
+        what="two failed attempts",
+    )
+    stage, status, state = pipeline.row(wid) or ("", "", {})
+    assert (stage, status) == ("relay", "paused")
+    assert "Connection refused" in state["last_error"]
+    receiver.start()
+    wait_until(lambda: receiver.mailbox("ok@example.test"), what="the delivery")
+    wait_until(pipeline.settled, what="the pipeline to settle")
+    assert len(receiver.mailbox("ok@example.test")) == 1
+
+
+def relay_workers() -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        try:
+            env = proc.info.get("environ") or {}
+        except psutil.Error:
+            continue
+        if env.get("PEPSI_STAGE") == "relay" and "worker" in (proc.info.get("cmdline") or []):
+            found.append(proc)
+    return found
+
+
+def test_kill_9_of_the_relay_workers_loses_no_recipient(
+    pipeline: Pipeline, receiver: postfix.Postfix
+) -> None:
+    """Every recipient delivered at least once; duplicates counted and bounded: SMTP
+    cannot promise fewer when a worker dies between the remote's 250 and its commit."""
+    pipeline.configure(smarthost(receiver, "PARALLELISM = 4\n"), STRIKE_DELAY="200ms")
+    pipeline.start()
+    count = 2000
+    publish(pipeline, [mail(f"m{n}", f"r{n}@example.test") for n in range(count)])
+    kills = 0
+    for _ in range(2):  # two rounds: no message can collect the three strikes that fail it
+        before = delivered_count(receiver)
+        wait_until(lambda n=before: delivered_count(receiver) >= n + 100, what="deliveries")
+        workers = wait_until(relay_workers, what="relay workers")
+        for proc in workers:
+            proc.send_signal(signal.SIGKILL)
+        kills += len(workers)
+    wait_until(pipeline.settled, timeout=180, what="every message to go out")
+    copies = [len(receiver.mailbox(f"r{n}@example.test")) for n in range(count)]
+    assert min(copies) >= 1, f"{copies.count(0)} recipients never delivered"
+    duplicates = sum(c - 1 for c in copies)
+    print(f"{kills} relay workers killed: {duplicates} duplicates among {count} messages")
+    assert duplicates <= kills  # at most the message each killed worker was sending
+
+
+@pytest.fixture
+def dkim_key(tmp_path: Path) -> tuple[Path, bytes]:
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    path = tmp_path / "dkim.key"
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        )
+    )
+    public = key.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return path, public
+
+
+def test_smtp_in_dkim_signed_and_out_to_the_second_mx(
+    pipeline: Pipeline, tmp_path: Path, dkim_key: tuple[Path, bytes], dsn: str
+) -> None:
+    import base64  # noqa: PLC0415
+
+    key_file, public = dkim_key
+    receiver = postfix.Postfix(domains=("mx.test",)).start()
+    record = "v=DKIM1; k=rsa; p=" + base64.b64encode(public).decode()
+    names = postfix.Dnsmasq(
+        mx=[("mx.test", "mx1.mx.test", 10), ("mx.test", "mx2.mx.test", 20)],
+        hosts=[("mx1.mx.test", "127.0.0.2"), ("mx2.mx.test", "127.0.0.1")],  # mx1: nobody there
+        txt=[("s1._domainkey.sign.test", record)],
+    )
+    try:
+        pipeline.configure(
+            "[stage-sign]\nPROGRAM = pepsi-stage-dkim-sign\nDOMAIN = sign.test\nSELECTOR = s1\n"
+            f"KEY_FILE = {key_file}\nNEXT = out\n"
+            "[stage-out]\nPROGRAM = pepsi-stage-relay-to-internet\n"
+            f"PORT = {receiver.port}\nNAMESERVERS = 127.0.0.1:{names.port}\n{RETRIES}"
+        )
+        pipeline.start()
+        ingress = IngressProcess(
+            dsn,
+            tmp_path,
+            conf=pipeline.conf.read_text()
+            + "[pepsi-ingress]\nLISTEN = 127.0.0.1:0\nSTAGE = sign\nRELAY_NETWORKS = 127.0.0.0/8\n",
+        )
+        ingress.start()
+        try:
+            with smtplib.SMTP(*ingress.smtp) as client:
+                client.ehlo("client.test")
+                client.mail("alice@sign.test")
+                client.rcpt("bob@mx.test")
+                code, reply = client.data(
+                    b"From: Alice <alice@sign.test>\r\nTo: bob@mx.test\r\nSubject: signed\r\n"
+                    b"Message-ID: <s1@sign.test>\r\n\r\nSigned and sent.\r\n"
+                )
+                assert code == 250
+                queued_id(reply)
+            (delivered,) = wait_until(lambda: receiver.mailbox("bob@mx.test"), what="delivery")
+        finally:
+            ingress.close()
+        resolver = dns.resolver.Resolver(configure=False)
+        resolver.nameservers = ["127.0.0.1"]
+        resolver.port = names.port
+
+        def txt(name: bytes, timeout: int = 5) -> bytes:
+            answer = resolver.resolve(name.decode(), "TXT")
+            return b"".join(answer[0].strings)
+
+        assert delivered.count(b"DKIM-Signature:") == 1
+        assert dkim.verify(delivered, dnsfunc=txt), "the signature does not verify"
+        assert b"Received: from client.test ([127.0.0.1])" in delivered
+    finally:
+        names.stop()
+        receiver.close()
