@@ -246,3 +246,67 @@ def test_smtp_in_dkim_signed_and_out_to_the_second_mx(
     finally:
         names.stop()
         receiver.close()
+
+
+def test_connections_are_reused_for_the_next_messages(
+    pipeline: Pipeline, receiver: postfix.Postfix
+) -> None:
+    pipeline.configure(smarthost(receiver, "PARALLELISM = 1\n"))
+    pipeline.start()
+    publish(pipeline, [mail(f"reuse{n}", f"r{n}@example.test") for n in range(5)])
+    wait_until(pipeline.settled, what="the messages to go out")
+    assert all(receiver.mailbox(f"r{n}@example.test") for n in range(5))
+    # Postfix's smtpd logs each session's commands when it ends; the worker's is still open
+    sessions = [line for line in receiver.log.splitlines() if "disconnect from" in line]
+    assert len(sessions) <= 1, sessions
+
+
+def test_a_smarthost_with_starttls_and_auth(pipeline: Pipeline, tmp_path: Path, dsn: str) -> None:
+    """Pepsi's own ingress is the smarthost here: STARTTLS with a certificate the relay
+    verifies, then AUTH PLAIN with the secret from AUTH_SECRET_FILE."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from tests.scenarios.conftest import REPO  # noqa: PLC0415
+
+    cert, key = tmp_path / "mx.pem", tmp_path / "mx.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+         "/CN=localhost", "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key),
+         "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    (tmp_path / "auth.secret").write_text("relay secret\n")
+    smarthost_conf = (
+        "[stage-inbox]\nHANDLER = tests.stages:noop\nNEXT = held\n"
+        "[stage-held]\nHANDLER = tests.stages:noop\n"
+        "[pepsi-ingress]\nLISTEN = 127.0.0.1:0\nSTAGE = held\nDOMAINS = other.test\n"
+        f"TLS_CERT = {cert}\nTLS_KEY = {key}\n"
+    )
+    ingress = IngressProcess(dsn, tmp_path, conf=smarthost_conf, name="smarthost")
+    ingress.start()
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "pepsi", "-c", str(ingress.conf), "mail", "user", "add",
+             "relay", "--password-stdin"],
+            input=b"relay secret", env=ingress.env(), cwd=REPO, check=True, capture_output=True,
+        )  # fmt: skip
+        pipeline.configure(
+            "[stage-relay]\nPROGRAM = pepsi-stage-relay-to-smarthost\nHOST = localhost\n"
+            f"PORT = {ingress.smtp[1]}\nTLS = starttls\nTLS_CA_FILE = {cert}\n"
+            f"AUTH_USER = relay\nAUTH_SECRET_FILE = {tmp_path / 'auth.secret'}\n{RETRIES}"
+        )  # no [stage-held] here: this dispatcher leaves the smarthost's messages alone
+        pipeline.start()
+        publish(pipeline, [mail("via-smarthost", "anyone@elsewhere.test")])
+        stored = wait_until(
+            lambda: pipeline.scalar("SELECT origin_user FROM pepsi.workqueue WHERE stage = 'held'"),
+            what="the message at the smarthost",
+        )
+        assert stored == "relay"  # logged in: it may relay to any domain
+        header = pipeline.scalar(
+            "SELECT b.header FROM pepsi.workqueue w JOIN pepsi.workqueue_body b USING (body_id)"
+            " WHERE w.stage = 'held'"
+        )
+        assert b" with ESMTPSA id " in bytes(header)  # TLS and AUTH
+    finally:
+        ingress.close()

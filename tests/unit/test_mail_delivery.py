@@ -150,3 +150,27 @@ def test_a_bounce_after_retries_reports_every_recipient() -> None:
         ("rfc822; bad@x.org", "4.4.7"),
     ]  # fmt: skip
     assert delivery.failure_report(context(sender=""), "4.4.7") is None
+
+
+def test_at_most_limit_connections_per_destination_across_processes(tmp_path: Any) -> None:
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from pepsi.mail.outbound import Slots  # noqa: PLC0415
+
+    slots = Slots(2, tmp_path)
+    first, second = slots.take("example.org"), slots.take("Example.ORG")
+    assert first is not None
+    assert second is not None
+    assert slots.take("example.org") is None  # the limit, whatever the case
+    assert slots.take("example.net") is not None  # another destination
+    # another process (another worker) sees the same slots taken
+    probe = (
+        "import sys; from pathlib import Path; from pepsi.mail.outbound import Slots; "
+        f"print(Slots(2, Path({str(tmp_path)!r})).take('example.org'))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"
+    Slots.give_back(first)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() != "None"
