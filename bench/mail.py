@@ -1,24 +1,26 @@
-"""Mail in: Pepsi's SMTP ingress against Postfix, under `smtp-source`, in one run.
+"""Mail in and mail through: Pepsi against Postfix, under `smtp-source`, in one run.
 
-    .venv/bin/python bench/mail.py [--messages 20000] [--sessions 20] [--size 1024] [--rounds 3]
+    .venv/bin/python bench/mail.py [--pipeline discard|relay|sign-relay] [--messages 20000]
+                                   [--sessions 20] [--size 1024] [--rounds 3]
 
 The load is Postfix's own generator, `smtp-source -s SESSIONS -m MESSAGES -l SIZE`
 (one message per connection, as smtp-source sends them), against:
 
-- **Pepsi**: `pepsi ingress --serve` at its defaults (only LISTEN, STAGE,
-  DOMAINS) feeding a one-stage pipeline (`pepsi-stage-discard`) with the
-  dispatcher running, on the embedded server (or $PEPSI_DSN's) in a scratch
-  database. Each `250` is a row committed with synchronous_commit on.
-- **Postfix** as Debian ships it (its main.cf and master.cf, chroot and all),
-  as a second instance in a temporary directory: smtpd on its own port,
-  `relayhost` pointing at `smtp-sink`, logging to a file (`maillog_file`).
-  Postfix's `250` comes after cleanup's fsync of the queue file.
+- **Pepsi**: `pepsi ingress --serve` at its defaults (LISTEN, STAGE, DOMAINS)
+  with the dispatcher running, on the embedded server (or $PEPSI_DSN's) in a
+  scratch database; each `250` is a committed row. Its pipeline (`--pipeline`):
+  `discard` (the default: one `pepsi-stage-discard` stage), `relay`
+  (`pepsi-stage-relay-to-smarthost` to `smtp-sink`) or `sign-relay`
+  (`pepsi-stage-dkim-sign` with a 2048-bit key, then that relay).
+- **Postfix** as Debian ships it (its main.cf and master.cf), a second
+  instance (tests/postfix.py) relaying everything to the same `smtp-sink`.
+  Its `250` comes after cleanup's fsync of the queue file.
 
-Rate = messages accepted per second, from smtp-source's start to its end; each
-round runs both, alternately (Pepsi first in odd rounds). CPU seconds per
-component come from /proc, over the whole phase. Needs Debian's `postfix`
-package (smtp-source, smtp-sink) and root (Postfix's queue is owned by user
-postfix). Prints one JSON document and a summary line.
+Per phase: `accepted` = messages / the time smtp-source took; `end_to_end` =
+messages / the time until the queue is empty again (every message finished:
+discarded, or handed to smtp-sink). Rounds alternate who goes first. CPU
+seconds per component come from /proc. Needs root and Debian's `postfix`
+package (smtp-source, smtp-sink). Prints one JSON document and a summary.
 """
 
 from __future__ import annotations
@@ -27,9 +29,7 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,25 +46,12 @@ from common import scratch_database
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(REPO))  # tests/postfix.py: the Postfix instance the tests use too
+
+from tests import postfix  # noqa: E402
+
 DB = "pepsi_bench_mail"
 SENDER, RECIPIENT = "load@sender.example", "bob@example.com"
-
-
-POSTFIX_TOOLS = ("smtp-source", "smtp-sink", "postfix", "postconf", "postqueue")
-
-
-def tool(name: str) -> str:
-    """The absolute path of one of Postfix's programs."""
-    found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin")
-    if found is None:
-        raise SystemExit(f"bench/mail.py: {name} not found (apt-get install postfix)")
-    return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -75,7 +62,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
             return value
         if time.monotonic() > deadline:
             raise SystemExit(f"bench/mail.py: timed out waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(0.02)
 
 
 def cpu_seconds(processes: list[psutil.Process]) -> dict[int, float]:
@@ -104,29 +91,53 @@ def tree(pid: int) -> list[psutil.Process]:
         return []
 
 
-def smtp_source(port: int, messages: int, sessions: int, size: int) -> float:
-    """Seconds smtp-source took; it exits non-zero on any reply it did not expect."""
-    started = time.monotonic()
-    subprocess.run(
-        [tool("smtp-source"), "-s", str(sessions), "-m", str(messages), "-l", str(size),
-         "-f", SENDER, "-t", RECIPIENT, f"127.0.0.1:{port}"],
-        check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    return time.monotonic() - started
+class Sink:
+    """smtp-sink: takes every message and forgets it."""
+
+    def __init__(self) -> None:
+        self.port = postfix.free_port()
+        self.proc = subprocess.Popen(
+            [postfix.tool("smtp-sink") or "smtp-sink", "-u", "postfix",
+             f"127.0.0.1:{self.port}", "1000"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
 
 
 class PepsiMail:
     """The dispatcher and one ingress on a scratch database, at their defaults."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, sink: Sink, *, pipeline: str) -> None:
         self.dsn = scratch_database(DB)
-        self.port = free_port()
+        self.port = postfix.free_port()
         self.conf = tmp / "pepsi-mail.conf"
-        self.conf.write_text(
+        text = (
             "[pepsi-ingress]\n"
             f"LISTEN = 127.0.0.1:{self.port}\nSTAGE = inbox\nDOMAINS = example.com\n"
-            "[stage-inbox]\nPROGRAM = pepsi-stage-discard\n"
         )
+        relay = (
+            "PROGRAM = pepsi-stage-relay-to-smarthost\nHOST = 127.0.0.1\n"
+            f"PORT = {sink.port}\nTLS = none\n"
+        )
+        if pipeline == "sign-relay":
+            key = tmp / "dkim.key"
+            subprocess.run(
+                [postfix.tool("openssl") or "openssl", "genrsa", "-out", str(key), "2048"],
+                check=True,
+                capture_output=True,
+            )
+            text += (
+                "[stage-inbox]\nPROGRAM = pepsi-stage-dkim-sign\nDOMAIN = example.com\n"
+                f"SELECTOR = bench\nKEY_FILE = {key}\nNEXT = relay\n[stage-relay]\n{relay}"
+            )
+        elif pipeline == "relay":
+            text += f"[stage-inbox]\n{relay}"
+        else:
+            text += "[stage-inbox]\nPROGRAM = pepsi-stage-discard\n"
+        self.conf.write_text(text)
         env = {**os.environ, "PEPSI_DSN": self.dsn, "PYTHONPATH": str(REPO / "src")}
         self.logs = tmp
         self.dispatcher = self._start(["dispatch", "serve"], "dispatch", env, "dispatching")
@@ -170,103 +181,82 @@ class PepsiMail:
         return next((line for line in reversed(lines) if "stopped:" in line), "")
 
 
-class Postfix:
-    """A second Postfix instance, configured as Debian ships the first, relaying to smtp-sink."""
+class PostfixMail:
+    """Postfix relaying everything to the sink, with Debian's restrictions (none added)."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.root = tmp / "postfix"
-        etc, spool, data = self.root / "etc", self.root / "spool", self.root / "data"
-        for folder in (etc, spool, data):
-            folder.mkdir(parents=True)
-        shutil.chown(data, "postfix")
-        for name in ("main.cf", "master.cf", "dynamicmaps.cf"):
-            shutil.copy(Path("/etc/postfix") / name, etc / name)
-        self.port, self.sink_port = free_port(), free_port()
-        self.sink = subprocess.Popen(
-            [tool("smtp-sink"), "-u", "postfix", f"127.0.0.1:{self.sink_port}", "1000"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        self.postconf(
-            "-e", f"queue_directory={spool}", f"data_directory={data}",
-            f"relayhost=[127.0.0.1]:{self.sink_port}", "inet_interfaces=127.0.0.1",
-            "inet_protocols=ipv4", "mydestination=", "alias_maps=", "alias_database=",
-            "syslog_name=postfix-bench", f"maillog_file={self.root}/maillog",
-            f"maillog_file_prefixes=/var, /dev/stdout, {self.root}",
-        )  # fmt: skip
-        self.postconf("-M#", "smtp/inet")  # smtpd on a port of its own instead of 25
-        service = f"127.0.0.1:{self.port}"
-        self.postconf("-M", f"{service}/inet={service} inet n - y - - smtpd")
-        started = subprocess.run(
-            [tool("postfix"), "-c", str(etc), "start"], capture_output=True, text=True, check=False
-        )
-        if started.returncode != 0:
-            log = (self.root / "maillog").read_text() if (self.root / "maillog").exists() else ""
-            raise SystemExit(f"bench/mail.py: postfix did not start:\n{started.stderr}{log}")
-        wait_for(self._listening, 30, "postfix to listen")
-
-    def postconf(self, *args: str) -> None:
-        subprocess.run([tool("postconf"), "-c", str(self.root / "etc"), *args], check=True)
-
-    def _listening(self) -> bool:
-        with socket.socket() as sock:
-            return sock.connect_ex(("127.0.0.1", self.port)) == 0
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.server = postfix.Postfix(
+            relayhost=f"[127.0.0.1]:{sink.port}", settings={"smtpd_recipient_restrictions": ""}
+        ).start()
+        self.port = self.server.port
 
     def components(self) -> dict[str, list[psutil.Process]]:
-        """Postfix's master and every process it started (taken again each phase: they
-        come and go), and smtp-sink."""
-        pid = int((self.root / "spool" / "pid" / "master.pid").read_text().split()[0])
-        return {"postfix": tree(pid), "smtp-sink": tree(self.sink.pid)}
+        """Postfix's master and what it started (taken again each phase), and smtp-sink."""
+        return {"postfix": tree(self.server.master_pid()), "smtp-sink": tree(self.sink.proc.pid)}
 
     def drained(self) -> bool:
-        out = subprocess.run(
-            [tool("postqueue"), "-c", str(self.root / "etc"), "-p"], capture_output=True, text=True,
-            check=False,
-        )  # fmt: skip
-        return "Mail queue is empty" in out.stdout
+        return self.server.queue_empty()
 
     def close(self) -> None:
-        etc = str(self.root / "etc")
-        subprocess.run([tool("postfix"), "-c", etc, "stop"], check=False, capture_output=True)
-        self.sink.terminate()
-        self.sink.wait(10)
+        self.server.close()
+
+
+def smtp_source(port: int, messages: int, sessions: int, size: int) -> float:
+    """Seconds smtp-source took; it exits non-zero on any reply it did not expect."""
+    started = time.monotonic()
+    subprocess.run(
+        [postfix.tool("smtp-source") or "smtp-source", "-s", str(sessions), "-m", str(messages),
+         "-l", str(size), "-f", SENDER, "-t", RECIPIENT, f"127.0.0.1:{port}"],
+        check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    return time.monotonic() - started
 
 
 def phase(system: Any, args: argparse.Namespace) -> dict[str, Any]:
     before = {name: cpu_seconds(procs) for name, procs in system.components().items()}
+    started = time.monotonic()
     seconds = smtp_source(system.port, args.messages, args.sessions, args.size)
+    wait_for(system.drained, 900, "the queue to drain")
+    total = time.monotonic() - started
     after = {name: cpu_seconds(procs) for name, procs in system.components().items()}
     cpu = {name: round(cpu_used(before[name], after[name]), 2) for name in after}
-    drain_started = time.monotonic()
-    wait_for(system.drained, 600, "the queue to drain")
     return {
+        "accepted": round(args.messages / seconds),
+        "end_to_end": round(args.messages / total),
         "seconds": round(seconds, 2),
-        "rate": round(args.messages / seconds),
-        "drain_after_s": round(time.monotonic() - drain_started, 2),
+        "drained_after_s": round(total - seconds, 2),
         "cpu_s": cpu,
         "cpu_ms_per_message": round(1000 * sum(cpu.values()) / args.messages, 3),
     }
 
 
 @contextmanager
-def systems(tmp: Path, summary: dict[str, str]) -> Iterator[tuple[PepsiMail, Postfix]]:
-    pepsi = PepsiMail(tmp)
+def systems(
+    tmp: Path, summary: dict[str, str], *, pipeline: str
+) -> Iterator[tuple[PepsiMail, PostfixMail]]:
+    sink = Sink()
     try:
-        postfix = Postfix(tmp)
+        pepsi = PepsiMail(tmp, sink, pipeline=pipeline)
         try:
-            yield pepsi, postfix
+            other = PostfixMail(sink)
+            try:
+                yield pepsi, other
+            finally:
+                other.close()
         finally:
-            postfix.close()
+            summary["ingress"] = pepsi.close().partition("pepsi-ingress: ")[2]
     finally:
-        summary["ingress"] = pepsi.close().partition("pepsi-ingress: ")[2]
+        sink.stop()
 
 
-def run_rounds(pepsi: PepsiMail, postfix: Postfix, args: argparse.Namespace) -> list[Any]:
+def run_rounds(pepsi: PepsiMail, other: PostfixMail, args: argparse.Namespace) -> list[Any]:
     warm = argparse.Namespace(**{**vars(args), "messages": 500})
     phase(pepsi, warm)
-    phase(postfix, warm)
+    phase(other, warm)
     rounds = []
     for number in range(args.rounds):
-        order: list[tuple[str, Any]] = [("pepsi", pepsi), ("postfix", postfix)]
+        order: list[tuple[str, Any]] = [("pepsi", pepsi), ("postfix", other)]
         if number % 2:
             order.reverse()
         rounds.append({name: phase(system, args) for name, system in order})
@@ -277,37 +267,47 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--pipeline",
+        choices=("discard", "relay", "sign-relay"),
+        default="discard",
+        help="Pepsi's stages after the ingress (default: discard)",
+    )
     parser.add_argument("--messages", type=int, default=20000)
     parser.add_argument("--sessions", type=int, default=20)
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    for program in POSTFIX_TOOLS:
-        tool(program)
-    if os.geteuid() != 0:
-        raise SystemExit("bench/mail.py: run as root (Postfix's queue belongs to user postfix)")
+    problem = postfix.missing()
+    if problem is not None or postfix.tool("smtp-source") is None:
+        raise SystemExit(f"bench/mail.py: {problem or 'smtp-source is not installed'}")
     summary: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="pepsi-bench-mail-") as tmp:
-        Path(tmp).chmod(0o755)  # Postfix's own users walk into its queue
-        with systems(Path(tmp), summary) as (pepsi, postfix):
-            rounds = run_rounds(pepsi, postfix, args)
-    pepsi_rates = [r["pepsi"]["rate"] for r in rounds]
-    postfix_rates = [r["postfix"]["rate"] for r in rounds]
+    with (
+        tempfile.TemporaryDirectory(prefix="pepsi-bench-mail-") as tmp,
+        systems(Path(tmp), summary, pipeline=args.pipeline) as (pepsi, other),
+    ):
+        rounds = run_rounds(pepsi, other, args)
+    measure = "accepted" if args.pipeline == "discard" else "end_to_end"
+    pepsi_rates = [r["pepsi"][measure] for r in rounds]
+    postfix_rates = [r["postfix"][measure] for r in rounds]
     ratios = [round(p / q, 2) for p, q in zip(pepsi_rates, postfix_rates, strict=True)]
     result = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "load": f"smtp-source -s {args.sessions} -m {args.messages} -l {args.size}",
+        "pepsi_pipeline": args.pipeline,
+        "measure": measure,
         "rounds": rounds,
-        "pepsi_rate_median": statistics.median(pepsi_rates),
-        "postfix_rate_median": statistics.median(postfix_rates),
+        "pepsi_median": statistics.median(pepsi_rates),
+        "postfix_median": statistics.median(postfix_rates),
         "ratios": ratios,
         "ratio_median": statistics.median(ratios),
         "ingress_commits": summary.get("ingress", ""),  # warm-up included
     }
     print(json.dumps(result, indent=2))
+    what = "mail in" if args.pipeline == "discard" else f"mail through ({args.pipeline})"
     print(
-        f"mail in: Pepsi {result['pepsi_rate_median']} msg/s, Postfix "
-        f"{result['postfix_rate_median']} msg/s (median of {args.rounds}); Pepsi/Postfix "
+        f"{what}, {measure}: Pepsi {result['pepsi_median']} msg/s, Postfix "
+        f"{result['postfix_median']} msg/s (median of {args.rounds}); Pepsi/Postfix "
         f"{result['ratio_median']} (rounds: {', '.join(map(str, ratios))})"
     )
     return 0

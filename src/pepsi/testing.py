@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pepsi.config import StageConfig
-from pepsi.stage import Message
+from pepsi.stage import Message, NewMessage
 from pepsi.worker.outcomes import after_raise, after_return
 
 __all__ = ["AnyStage", "StageRun", "make_message", "run_stage"]
@@ -49,6 +49,9 @@ class StageRun:
     error: str | None  # a failure as the worker logs it
     returned: object = None  # what the stage returned
     raised: Exception | None = field(default=None)  # what the stage raised
+    # A Split: each group of recipients with its outcome word, and the messages made
+    parts: tuple[tuple[tuple[str, ...], str], ...] = ()
+    spawned: tuple[NewMessage, ...] = ()
 
 
 def make_message(  # one keyword per Message field, all defaulted
@@ -131,6 +134,8 @@ def run_stage(
         error=decision.error,
         returned=returned,
         raised=raised,
+        parts=tuple((group, part.outcome) for group, part in decision.parts or ()),
+        spawned=decision.spawn,
     )
 
 

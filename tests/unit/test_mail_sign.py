@@ -45,9 +45,11 @@ def test_openssl_gives_dkimpy_s_own_signature_byte_for_byte(
     monkeypatch.setattr(dkim.time, "time", lambda: 1796400000)  # t= the same in both
     # dkimpy's own RSA (dkim.crypto keeps it, whatever install() did to dkim's name for it)
     monkeypatch.setattr(dkim, "RSASSA_PKCS1_v1_5_sign", dkim.crypto.RSASSA_PKCS1_v1_5_sign)
+    monkeypatch.setattr(dkim, "parse_pem_private_key", dkim.crypto.parse_pem_private_key)
     pure = dkim.sign(MESSAGE, b"s1", b"example.com", pem, canonicalize=signing.CANONICALIZATION)
     signing.install()
     assert dkim.RSASSA_PKCS1_v1_5_sign is signing.openssl_sign
+    assert dkim.parse_pem_private_key is signing.parse_pem
     fast = dkim.sign(MESSAGE, b"s1", b"example.com", pem, canonicalize=signing.CANONICALIZATION)
     assert fast == pure
 

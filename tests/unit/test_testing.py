@@ -135,3 +135,18 @@ def test_the_stage_s_state_is_not_shared_with_the_caller() -> None:
     msg = make_message(state=state)
     msg.state["seen"].append("b")
     assert state == {"seen": ["a"]}
+
+
+def test_a_split_shows_its_parts_and_the_messages_it_makes() -> None:
+    from pepsi.stage import Defer, Finish, NewMessage, Part, Split  # noqa: PLC0415
+
+    def relay(msg: Message) -> Split:
+        return Split(
+            (Part(("a@x.org",), Finish()), Part(("b@x.org",), Defer("451 later"))),
+            spawn=(NewMessage("dsn", sender="", recipients=("s@y.org",)),),
+        )
+
+    ran = run_stage(relay, make_message(recipients=("a@x.org", "b@x.org"), sender="s@y.org"))
+    assert ran.parts == ((("a@x.org",), "finish"), (("b@x.org",), "retry"))
+    assert [m.stage for m in ran.spawned] == ["dsn"]
+    assert (ran.stage, ran.status) == ("test", "paused")  # the row keeps the deferred group

@@ -8,6 +8,7 @@ that the queue waits for the fix instead of each message failing (W-3).
 
 from __future__ import annotations
 
+import functools
 import re
 import socket
 from collections.abc import Mapping
@@ -73,7 +74,7 @@ class RelayOptions:
 
     @property
     def helo(self) -> str:
-        return self.hostname or socket.getfqdn()
+        return self.hostname or _fqdn()
 
     def describe(self) -> str:
         if self.host is not None:
@@ -133,6 +134,12 @@ class SrsOptions:
 
     def secret(self) -> bytes:
         return read_secret("SECRET_FILE", self.secret_file).strip()
+
+
+@functools.cache
+def _fqdn() -> str:
+    """The machine's name, asked once (socket.getfqdn may ask DNS each time)."""
+    return socket.getfqdn()
 
 
 def tls_mode(text: str) -> str:
