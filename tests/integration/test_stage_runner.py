@@ -237,19 +237,48 @@ def test_an_async_stage_runs_on_the_runners_loop(
     assert row_of(conn, ids[1]) is None
 
 
-def test_a_stage_that_reads_bodies_runs_one_at_a_time(
+@stage(needs="body")
+def measure(msg: Message) -> None:
+    msg.state["header"] = (msg.header or b"").decode()
+    msg.state["length"] = len(msg.body or b"")
+
+
+def test_a_stage_that_reads_bodies_takes_its_batch_with_the_bodies(
     conn: Conn, make_runner: Callable[..., StageRunner]
 ) -> None:
-    @stage(needs="body")
-    def measure(msg: Message) -> None:
-        msg.state["header"] = (msg.header or b"").decode()
-        msg.state["length"] = len(msg.body or b"")
-
-    wid = running(conn, body=b"hello")
+    ids = [running(conn, body=b"hello"), running(conn, body=b"hi")]
     runner = make_runner(measure)
-    assert runner.batch_limit == 1
-    assert outcomes(runner.run_batch([wid])) == [(0, "advance")]
-    assert row_of(conn, wid) == ("b", "pending", {"header": "Subject: hi", "length": 5}, None)
+    assert runner.batch_limit == 8  # as a metadata stage: every buffered id, up to QUEUE_LIMIT
+    assert outcomes(runner.run_batch(ids)) == [(0, "advance"), (0, "advance")]
+    assert row_of(conn, ids[0]) == ("b", "pending", {"header": "Subject: hi", "length": 5}, None)
+    assert row_of(conn, ids[1]) == ("b", "pending", {"header": "Subject: hi", "length": 2}, None)
+
+
+def test_a_large_body_is_fetched_on_its_own_when_read(
+    conn: Conn, make_runner: Callable[..., StageRunner], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("pepsi.worker.messages.INLINE", 4)  # 'hello' is over it, 'hi' is not
+    ids = [running(conn, body=b"hello"), running(conn, body=b"hi")]
+    assert outcomes(make_runner(measure).run_batch(ids)) == [(0, "advance"), (0, "advance")]
+    assert row_of(conn, ids[0]) == ("b", "pending", {"header": "Subject: hi", "length": 5}, None)
+    assert row_of(conn, ids[1]) == ("b", "pending", {"header": "Subject: hi", "length": 2}, None)
+
+
+def test_slow_messages_are_answered_as_they_finish(
+    conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    """A batch of slow metadata-only messages (a stage waiting on a remote service) is
+    written and answered every FLUSH_AFTER, so that the dispatcher hears of each in
+    time (a stage that reads bodies answers each message anyway)."""
+
+    @stage()
+    def slow(msg: Message) -> None:
+        time.sleep(0.15)  # longer than FLUSH_AFTER: the stage's own work, not a wait on a test
+
+    ids = [running(conn, body=b"x") for _ in range(3)]
+    chunks = list(make_runner(slow).answers(ids))
+    assert [len(lines(chunk)) for chunk in chunks] == [1, 1, 1]  # metadata only, yet slow
+    assert all(row_of(conn, wid) is not None for wid in ids)
 
 
 def test_a_metadata_stage_loads_the_body_on_first_access(

@@ -379,7 +379,7 @@ def test_loading_bodies_probes_each_once_under_stale_statistics(stale: Conn, nam
         "UPDATE pepsi.workqueue SET status = 'running' WHERE workqueue_id = ANY(%s)", (ids,)
     )
     stale.execute("SET plan_cache_mode = force_generic_plan")
-    params = {"ids": ids, "stage": "s", "with_header": True, "with_body": True}
+    params = {"ids": ids, "stage": "s", "with_header": True, "with_body": True, "inline": 1 << 18}
     plans = _prepared_plans(stale, name, params, rows=1000)
     assert len(plans) == 1
     assert _work_of(plans) < 10 * 1000

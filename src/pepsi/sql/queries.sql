@@ -33,7 +33,9 @@ SELECT deleted, last_examined FROM pepsi.workqueue_body_gc(%(after_id)s, %(max_e
 -- name: workqueue_load_running
 -- A worker loads the rows it was handed; only rows still running at its
 -- stage (a repair command may have moved one meanwhile). Header and body come
--- from one primary-key probe (none when neither is wanted), by a lateral
+-- with the row when they are at most `inline` bytes each (a batch of messages
+-- holds little memory; a larger one is fetched on its own when the stage
+-- reads it: `deferred`), from one primary-key probe (none when neither is wanted), by a lateral
 -- subquery whose LIMIT keeps it from being flattened into a join: with
 -- statistics from a moment the tables were empty, a generic plan joined them
 -- by walking the whole body index once per row. (Two scalar subqueries probed
@@ -41,7 +43,11 @@ SELECT deleted, last_examined FROM pepsi.workqueue_body_gc(%(after_id)s, %(max_e
 SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
        w.origin_user, host(w.origin_peer), w.header_from, w.subject, w.content_type,
        w.correlation_id, w.properties, w.state, w.sender_key, w.body_id,
-       b.header, CASE WHEN %(with_body)s THEN b.body END AS body,
+       CASE WHEN octet_length(b.header) <= %(inline)s THEN b.header END AS header,
+       CASE WHEN %(with_body)s AND octet_length(b.body) <= %(inline)s THEN b.body END AS body,
+       -- a header block or body over `inline` is fetched on its own when first read
+       coalesce(octet_length(b.header) > %(inline)s
+                OR (%(with_body)s AND octet_length(b.body) > %(inline)s), false) AS deferred,
        w.xmin::text AS token  -- the claim token (issue 18): last, as in the next query
 FROM pepsi.workqueue w
 LEFT JOIN LATERAL (  -- the header block and body: one probe, or none (see above)
@@ -60,7 +66,10 @@ WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.sta
 SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
        w.origin_user, host(w.origin_peer), w.header_from, w.subject, w.content_type,
        w.correlation_id, w.properties, w.state, w.sender_key, w.body_id,
-       b.header, CASE WHEN %(with_body)s THEN b.body END AS body,
+       CASE WHEN octet_length(b.header) <= %(inline)s THEN b.header END AS header,
+       CASE WHEN %(with_body)s AND octet_length(b.body) <= %(inline)s THEN b.body END AS body,
+       coalesce(octet_length(b.header) > %(inline)s
+                OR (%(with_body)s AND octet_length(b.body) > %(inline)s), false) AS deferred,
        (SELECT jsonb_object_agg(s.address, s.options)
         FROM pepsi.settings s
         WHERE s.stage = %(stage)s

@@ -17,6 +17,10 @@ from pepsi.db.queries import query
 from pepsi.stage import BodyLoader, Message, Needs
 
 Conn = psycopg.Connection[tuple[Any, ...]]
+# A header block or body loaded with its row when it is at most this big; a
+# larger one on its own, when the stage first reads it. A batch of QUEUE_LIMIT
+# messages so holds at most QUEUE_LIMIT x 2 x INLINE bytes of content.
+INLINE = 256 * 1024
 
 
 @dataclass
@@ -42,6 +46,7 @@ class MessageLoader:
             "stage": self.stage.name,
             "with_header": self.needs is not Needs.METADATA,
             "with_body": self.needs is Needs.BODY,
+            "inline": INLINE,
         }
 
     def load(self, conn: Conn, ids: list[int]) -> dict[int, Message]:
@@ -55,18 +60,18 @@ class MessageLoader:
             query("workqueue_load_running_with_settings"), self._params(ids)
         ).fetchall()
         # No row loaded says nothing of the settings: assume overrides remain.
-        loaded = WithSettings({}, {}, any_override=bool(rows[0][19]) if rows else True)
+        loaded = WithSettings({}, {}, any_override=bool(rows[0][20]) if rows else True)
         for row in rows:
             wid = int(row[0])
             loaded.messages[wid] = self._message(conn, row)
-            if row[18]:
-                loaded.overrides[wid] = row[18]
+            if row[19]:
+                loaded.overrides[wid] = row[19]
         return loaded
 
     def _message(self, conn: Conn, row: tuple[Any, ...]) -> Message:
         (wid, stage, arrived, message_id, sender, recipients, user, peer, header_from,
          subject, content_type, correlation_id, properties, state, sender_key, body_id,
-         header, body) = row[:18]  # fmt: skip
+         header, body, deferred) = row[:19]  # fmt: skip
         msg = Message(
             id=wid,
             stage=stage,
@@ -88,8 +93,9 @@ class MessageLoader:
             _body=body,
             _token=row[-1],  # the claim token (xmin), last in both load queries
         )
-        if self.needs is not Needs.BODY and body_id is not None:
-            msg._loader = body_loader(conn, body_id, keep_header=self.needs is Needs.HEADER)
+        if body_id is not None and (self.needs is not Needs.BODY or deferred):
+            keep = header is not None and self.needs is not Needs.METADATA
+            msg._loader = body_loader(conn, body_id, keep_header=keep)
         return msg
 
 

@@ -20,7 +20,7 @@ import json
 import logging
 import select
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -50,6 +50,9 @@ from pepsi.worker.outcomes import Clock, Decision, after_raise, after_return
 from pepsi.worker.settings import OverrideCheck, Plan, plan
 
 log = logging.getLogger("pepsi.worker")
+# A batch whose messages have run this long is written and answered before the
+# next message runs (its outcomes in one statement, its status lines at once).
+FLUSH_AFTER_NS = 100_000_000
 
 
 class _DatabaseGone(Exception):
@@ -172,23 +175,49 @@ class StageRunner:
 
     @property
     def batch_limit(self) -> int:
-        """Metadata-only stages take every buffered id (W-8); others one at a time."""
-        return self.stage.queue_limit if self.needs is Needs.METADATA else 1
+        """Every buffered id, up to QUEUE_LIMIT (W-8), loaded in one SELECT; for a stage
+        that reads the header block or the body too, their contents come with the rows
+        (up to `messages.INLINE` each), but each outcome is written, and answered, as
+        soon as it is known (`answer_each`)."""
+        return self.stage.queue_limit
+
+    @property
+    def answer_each(self) -> bool:
+        """Whether each message's outcome is written and answered before the next runs.
+
+        A stage that reads the message's content does work that may reach outside
+        the database (a relay's SMTP, a signature): a crash must not make it run
+        again for the batch-mates that went before (the manual's one at a time).
+        A metadata-only stage writes its batch at once (W-8)."""
+        return self.needs is not Needs.METADATA
 
     def run_batch(self, ids: list[int]) -> bytes:
-        """Process `ids`; return their status lines, in order, as one buffer.
+        """Process `ids`; return their status lines, in order, as one buffer."""
+        return b"".join(self.answers(ids))
 
-        If the worker's own connection is lost or cannot be had, every id of
-        the batch is answered 74 (lost) or 75 (connection limit): the
+    def answers(self, ids: list[int]) -> Iterator[bytes]:
+        """Process `ids`; their status lines, in order, in as few buffers as can be.
+
+        Each buffer answers the messages whose outcomes were just written: the
+        whole batch at once when it runs quickly, and every FLUSH_AFTER when
+        its messages are slow (a relay waiting on a remote server), so that
+        the dispatcher hears of each message soon after it ran (its
+        MAX_RUNTIME runs from the answer before it).
+
+        If the worker's own connection is lost or cannot be had, every id not
+        answered yet is answered 74 (lost) or 75 (connection limit): the
         dispatcher pauses or requeues them; the stage's outcome, if any, was
         not recorded and the stage will run again (W-4, W-5).
         """
+        answered = 0
         try:
             if self.conn.closed or self.conn.broken or ended_by_server(self.conn):
                 self._reopen()
-            return self._run_batch(ids)
+            for lines, count in self._run_batch(ids):
+                answered += count
+                yield lines
         except _DatabaseGone as gone:
-            return b"".join(format_status(gone.code) for _ in ids)
+            yield b"".join(format_status(gone.code) for _ in ids[answered:])
         except psycopg.Error as exc:
             code = database_exit_code(exc)
             if code is None:
@@ -197,12 +226,12 @@ class StageRunner:
                 "database unavailable (%s): answering %d for %d messages",
                 one_line(exc),
                 code,
-                len(ids),
+                len(ids) - answered,
             )
             # Not reused: a node that became a standby keeps the session open and would
             # refuse every batch's write (25006); the next batch reconnects to the primary.
             self.conn.close()
-            return b"".join(format_status(code) for _ in ids)
+            yield b"".join(format_status(code) for _ in ids[answered:])
 
     def _reopen(self) -> None:
         self.conn.close()  # a server-ended session may still hold its socket
@@ -215,7 +244,8 @@ class StageRunner:
             log.warning("cannot reconnect (%s): answering %d", exc, code)
             raise _DatabaseGone(code) from None
 
-    def _run_batch(self, ids: list[int]) -> bytes:
+    def _run_batch(self, ids: list[int]) -> Iterator[tuple[bytes, int]]:
+        """Run the batch; each written segment's status lines and how many ids they answer."""
         started = time.perf_counter_ns()
         if self.overrides.due():  # at most every few seconds while the stage has none
             self._check_overrides()
@@ -223,21 +253,29 @@ class StageRunner:
             messages = self._load_with_settings(ids)
         else:
             messages = self.messages.load(self.conn, ids)
+        segment: list[int] = []
         batch = Batch()
         spent: dict[int, int] = {}
         traced = self.sink.enabled
         for wid in ids:
+            segment.append(wid)
             msg = messages.get(wid)
-            if msg is None:
-                continue  # no longer running here (moved by a repair command): nothing to do
-            t0 = time.perf_counter_ns()
-            if traced:
-                self._run_traced(msg, batch)
-            else:
-                self._run_one(msg, batch)
-            spent[wid] = time.perf_counter_ns() - t0
-        self._write(batch)
-        # Database time is shared evenly by the batch's messages.
+            if msg is not None:  # else no longer running here (moved by a repair command)
+                t0 = time.perf_counter_ns()
+                if traced:
+                    self._run_traced(msg, batch)
+                else:
+                    self._run_one(msg, batch)
+                spent[wid] = time.perf_counter_ns() - t0
+            now = time.perf_counter_ns()
+            if self.answer_each or now - started >= FLUSH_AFTER_NS or wid == ids[-1]:
+                self._write(batch)
+                yield self._lines(segment, batch, spent, started), len(segment)
+                segment, batch, spent = [], Batch(), {}
+                started = time.perf_counter_ns()
+
+    def _lines(self, ids: list[int], batch: Batch, spent: dict[int, int], started: int) -> bytes:
+        """The status lines of a written segment; its database time shared evenly."""
         overhead = (time.perf_counter_ns() - started - sum(spent.values())) // max(1, len(ids))
         lines = []
         for wid in ids:

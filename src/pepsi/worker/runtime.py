@@ -79,8 +79,9 @@ def run(config: Config, stage_name: str, dsn: str) -> int:
                 ids = reader.read_batch(runner.batch_limit)
                 if not ids:
                     return 0
-                out.write(runner.run_batch(ids))
-                out.flush()
+                for lines in runner.answers(ids):
+                    out.write(lines)
+                    out.flush()
         finally:
             _flush(sink)
 
