@@ -44,6 +44,11 @@ PROGRAM = pepsi-stage-relay-to-smarthost
 HOST = smarthost.example
 AUTH_USER = pepsi
 AUTH_SECRET_FILE = {tmp_path}/missing.secret
+[stage-plain]
+PROGRAM = pepsi-stage-relay-to-smarthost
+HOST = 127.0.0.1
+PORT = 9
+TLS = none
 """)
     return load_config(path)
 
@@ -120,3 +125,11 @@ def test_a_null_sender_is_never_reported_to(
 def test_a_relay_without_its_secret_refuses_to_start(config: Config) -> None:
     with pytest.raises(WorkerRefused, match=r"\[stage-relay\] AUTH_SECRET_FILE: cannot read"):
         load_handler(config.stages["relay"])
+
+
+def test_a_message_without_recipients_fails_at_a_relay(
+    conn: Conn, make_runner: Callable[..., StageRunner], config: Config
+) -> None:
+    wid = running(conn, "plain", sender="alice@sender.org", body=b"x")
+    run(make_runner, config, "plain", wid)
+    assert envelope(conn, wid)[:2] == ("plain", "failed")

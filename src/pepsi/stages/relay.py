@@ -19,7 +19,7 @@ from pepsi.config import StageConfig
 from pepsi.mail import delivery, mx
 from pepsi.mail.delivery import Result
 from pepsi.mail.outbound import Client, Outgoing, Peer, Slots
-from pepsi.stage import Message, Needs, Split, stage
+from pepsi.stage import Message, Needs, PermanentError, Split, stage
 from pepsi.stages.mail_options import RelayOptions
 
 _CLIENTS: dict[str, Client] = {}  # by stage: a worker runs one stage, this is for tests
@@ -28,6 +28,7 @@ _RESOLVERS: dict[str, Resolver] = {}
 
 @stage(Needs.BODY)
 def to_smarthost(msg: Message) -> Split:
+    _require_recipients(msg)
     options: RelayOptions = msg.options.builtin_options
     assert options.host is not None
     secret = options.secret()
@@ -42,6 +43,7 @@ def to_smarthost(msg: Message) -> Split:
 
 @stage(Needs.BODY)
 def to_internet(msg: Message) -> Split:
+    _require_recipients(msg)
     options: RelayOptions = msg.options.builtin_options
     resolver = _RESOLVERS.get(msg.options.name)
     if resolver is None:
@@ -61,6 +63,11 @@ def to_internet(msg: Message) -> Split:
         peers = [Peer(h.host, h.address, options.port, "may") for h in hops]
         results.update(client.send(domain, peers, _outgoing(msg, tuple(recipients))))
     return _outcome(msg, options, results)
+
+
+def _require_recipients(msg: Message) -> None:
+    if not msg.recipients:
+        raise PermanentError("no recipients to deliver to (a message published without any)")
 
 
 def _client(config: StageConfig) -> Client:
