@@ -11,7 +11,7 @@ from pepsi.errors import PepsiError
 from pepsi.stage import Message, Needs, is_transactional, needs_of, stage
 from pepsi.worker.fusion import may_fuse
 from pepsi.worker.outcomes import FINISH, Decision
-from pepsi.worker.runner import outcome_word
+from pepsi.worker.writes import outcome_word
 
 BUILTIN = StageConfig("b", handler="pepsi.stages.set_:run", builtin="set")
 
