@@ -395,8 +395,11 @@ class StageRunner:
         batch.decisions[msg.id] = decision
 
     def _record(self, msg: Message, decision: Decision) -> bool:
-        """Write one row's outcome, guarded by its claim token (then its edits, under the
-        lock that write holds); whether it was written."""
+        """Write one row's outcome, guarded by its claim token; whether it was written.
+
+        An outcome with edits goes as a split of one part, which applies them."""
+        if decision.parts is None and decision.edits is not None:
+            decision = decision._replace(parts=((tuple(msg.recipients), decision),))
         if decision.parts is not None:
             params = split_params(msg.id, self.stage.name, decision, token=msg._token)
             found = self.conn.execute(query("workqueue_record_split"), params).fetchone()
@@ -413,18 +416,7 @@ class StageRunner:
                 "state": None if decision.state is None else Jsonb(decision.state),
             },
         ).fetchone()
-        written = bool(row and row[0])
-        if written and decision.edits is not None and decision.stage is not None:
-            self.conn.execute(
-                query("workqueue_edit"),
-                {
-                    "id": msg.id,
-                    "edits": Jsonb(decision.edits.columns),
-                    "header": decision.edits.header,
-                    "body": decision.edits.body,
-                },
-            )
-        return written
+        return bool(row and row[0])
 
     def _decide(
         self,

@@ -12,7 +12,7 @@
 -- "recipients", "message_id", "header_from", "subject", "content_type",
 -- "properties", "state"}), their header blocks and bodies in the two arrays
 -- (element i for message i), pending at their stage. edits, new_header and
--- new_body: the stage's changes to the message (as workqueue_edit), applied
+-- new_body: the stage's changes to the message (as workqueue_record_outcomes_edited), applied
 -- before the clones are made. Returns the ids of the new rows (clones, then
 -- spawned messages), or NULL (nothing written) when the row is no longer
 -- running at `at_stage` with the claim `token` (NULL: any claim). No NOTIFY:
