@@ -171,14 +171,18 @@ class PepsiMail:
         row = self.db.execute("SELECT count(*) FROM pepsi.workqueue").fetchone()
         return row is not None and row[0] == 0
 
-    def close(self) -> str:
-        """Stop both; the ingress's last line (messages stored, commits)."""
+    def close(self) -> tuple[str, str]:
+        """Stop both; their last lines (messages stored, commits; claims, claim statements)."""
         for proc in (self.ingress, self.dispatcher):
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
         self.db.close()
-        lines = (self.logs / "ingress.log").read_text().splitlines()
-        return next((line for line in reversed(lines) if "stopped:" in line), "")
+        return self._stopped("ingress"), self._stopped("dispatch")
+
+    def _stopped(self, name: str) -> str:
+        lines = (self.logs / f"{name}.log").read_text().splitlines()
+        line = next((line for line in reversed(lines) if "stopped:" in line), "")
+        return line.partition("stopped: ")[2]
 
 
 class PostfixMail:
@@ -245,7 +249,7 @@ def systems(
             finally:
                 other.close()
         finally:
-            summary["ingress"] = pepsi.close().partition("pepsi-ingress: ")[2]
+            summary["ingress"], summary["dispatcher"] = pepsi.close()
     finally:
         sink.stop()
 
@@ -302,6 +306,7 @@ def main() -> int:
         "ratios": ratios,
         "ratio_median": statistics.median(ratios),
         "ingress_commits": summary.get("ingress", ""),  # warm-up included
+        "dispatcher_claims": summary.get("dispatcher", ""),
     }
     print(json.dumps(result, indent=2))
     what = "mail in" if args.pipeline == "discard" else f"mail through ({args.pipeline})"

@@ -401,3 +401,19 @@ def test_a_removed_stage_stays_reachable_until_its_workers_exit() -> None:
     supervisor.on_exit(worker, Exit(0, True, True, "exited with status 0", (10,)))
     assert supervisor.retired == {}
     assert supervisor.ledger.rows.requeues["s"] == [11, 10]
+
+
+def test_a_claim_is_fed_with_the_window_it_was_sized_with() -> None:
+    # Answers read while the claim statement ran may shrink the stage's window; the
+    # claimed ids still go to the worker that had room for them, not back to pending.
+    supervisor, _ = _supervisor(Clock(), parallelism=1, queue_limit=64)
+    pool = supervisor.pools["s"]
+    pool.pace.observe(0.0001)  # a fast stage: the whole QUEUE_LIMIT
+    worker = _worker(supervisor, 1, [])
+    assert supervisor.capacities() == {"s": 64}
+    pool.pace.observe(0.1)  # an answer read during the claim: 100 ms a message
+    assert pool.window() == 1
+    asyncio.run(supervisor.feed([Claimed(wid, "s") for wid in range(64)]))
+    assert list(worker.inflight) == list(range(64))
+    assert supervisor.ledger.rows.requeues == {}
+    assert supervisor.capacities() == {"s": 0}  # the next claim is sized with the new window

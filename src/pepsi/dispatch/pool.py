@@ -63,10 +63,14 @@ class StagePool:
     # killed it is unknown, so each runs alone on an empty worker (W-6).
     isolate: deque[int] = field(default_factory=deque)
     pace: pools.Pace = field(default_factory=pools.Pace)
+    # The window the last claim was sized with. The feed packs with it: answers
+    # read while the claim ran may have moved the pace, and a window shrunk in
+    # between would send claimed ids straight back (a requeue and a claim more).
+    claim_window: int | None = None
 
-    def loads(self) -> list[pools.WorkerLoad]:
+    def loads(self, window: int | None = None) -> list[pools.WorkerLoad]:
         """Loads of every live worker: a stopping one still counts toward PARALLELISM."""
-        window, budget = self.window(), self.config.max_messages
+        window, budget = window or self.window(), self.config.max_messages
         return [w.load(window, budget) for w in self.workers.values()]
 
     def facts(self) -> list[decisions.WorkerFacts]:
@@ -90,7 +94,8 @@ class StagePool:
     def free(self, now: float, cap: int | None) -> int:
         if now < self.cooldown_until:
             return 0
-        free = pools.free_capacity(self.loads(), self.limit(cap), self.window())
+        self.claim_window = window = self.window()
+        free = pools.free_capacity(self.loads(window), self.limit(cap), window)
         return max(0, free - len(self.isolate))
 
 

@@ -78,8 +78,9 @@ class PoolSupervisor:
 
     async def _feed_stage(self, pool: StagePool, ids: list[int]) -> None:
         stage = pool.config.name
+        window = pool.claim_window or pool.window()
         plan = pools.assign(
-            ids, pool.loads(), pool.limit(self.cap(stage, self.clock())), pool.window()
+            ids, pool.loads(window), pool.limit(self.cap(stage, self.clock())), window
         )
         if plan.leftover:  # capacity shrank while the claim ran (a worker died)
             self.ledger.requeue(stage, plan.leftover)
