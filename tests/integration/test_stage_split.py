@@ -17,7 +17,18 @@ import psycopg
 import pytest
 
 from pepsi.config import Config, load_config
-from pepsi.stage import Defer, Fail, Finish, Message, Needs, NewMessage, Part, Split, stage
+from pepsi.stage import (
+    Advance,
+    Defer,
+    Fail,
+    Finish,
+    Message,
+    Needs,
+    NewMessage,
+    Part,
+    Split,
+    stage,
+)  # fmt: skip
 from pepsi.worker.runner import StageRunner
 from tests.rows import NOW, running
 
@@ -37,6 +48,13 @@ HANDLER = tests.stages:noop
 HANDLER = tests.stages:noop
 MAX_LIFETIME = 1h
 BOUNCE_STAGE = b
+[stage-s]
+HANDLER = tests.stages:noop
+NEXT = fused
+RETRY_DELAY = 10s
+[stage-fused]
+HANDLER = tests.stages:noop
+FUSION = yes
 """
 RCPTS = ["ok@x.org", "later@x.org", "bad@x.org"]
 
@@ -167,3 +185,73 @@ def test_a_deferred_group_past_max_lifetime_goes_to_the_bounce_stage(
     assert (row["stage"], row["status"]) == ("b", "pending")
     assert row["recipients"] == ["later@x.org", "bad@x.org"]
     assert row["state"]["failure_class"] == "retries-exhausted"
+
+
+@stage
+def deliver_one_fail_one(msg: Message) -> Split:
+    return Split(
+        (Part(("ok@x.org",), Advance()), Part(("bad@x.org",), Fail("550 5.1.1"))),
+        spawn=(NewMessage("dsn", sender="", recipients=("alice@sender.org",)),),
+    )
+
+
+def test_a_split_that_advances_is_written_not_fused(
+    conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    # The successor may be fused, but the row's advance carries parts and new messages.
+    wid = running(conn, "s", recipients=["ok@x.org", "bad@x.org"])
+    make_runner(deliver_one_fail_one, "s").run_batch([wid])
+    kept, failed, report = rows(conn, wid, *newest(conn, wid))
+    assert (kept["stage"], kept["status"], kept["recipients"]) == ("fused", "pending", ["ok@x.org"])
+    assert (failed["status"], failed["recipients"]) == ("failed", ["bad@x.org"])
+    assert (report["stage"], report["recipients"]) == ("dsn", ["alice@sender.org"])
+
+
+@pytest.mark.parametrize("deferred_first", [True, False], ids=["defer-first", "defer-last"])
+def test_a_splits_edits_stand_whatever_the_order_of_its_parts(
+    conn: Conn, make_runner: Callable[..., StageRunner], deferred_first: bool
+) -> None:
+    @stage(Needs.BODY)
+    def retitle(msg: Message) -> Split:
+        msg.subject = "[x] hello"
+        parts = [Part(("ok@x.org",), Advance()), Part(("later@x.org",), Defer("451 4.4.1"))]
+        return Split(tuple(reversed(parts)) if deferred_first else tuple(parts))
+
+    wid = running(conn, "s", recipients=["ok@x.org", "later@x.org"], body=b"x\r\n")
+    make_runner(retitle, "s").run_batch([wid])
+    ids = [wid, *newest(conn, wid)]
+    subjects = conn.execute(
+        "SELECT subject FROM pepsi.workqueue WHERE workqueue_id = ANY(%s)", (ids,)
+    ).fetchall()
+    assert subjects == [("[x] hello",), ("[x] hello",)]
+
+
+@stage
+def to_a_queue(msg: Message) -> Split:
+    return Split((Part(tuple(msg.recipients), Finish()),), spawn=(NewMessage("amqp:jobs"),))
+
+
+def test_a_new_message_to_an_amqp_queue_is_written_under_the_queues_stage(
+    conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    wid = running(conn, recipients=RCPTS)
+    make_runner(to_a_queue).run_batch([wid])
+    (made,) = rows(conn, *newest(conn, wid))
+    assert (made["stage"], made["status"]) == ("amqp:/:jobs", "pending")
+
+
+@stage
+def state_not_an_object(msg: Message) -> Split:
+    report = NewMessage("dsn", state=None)  # type: ignore[arg-type]
+    return Split((Part(tuple(msg.recipients), Finish()),), spawn=(report,))
+
+
+def test_a_new_messages_state_must_be_a_json_object(
+    conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    wid = running(conn, recipients=RCPTS)
+    make_runner(state_not_an_object).run_batch([wid])
+    (row,) = rows(conn, wid)
+    assert row["status"] == "paused"
+    assert "state is not a JSON object" in row["state"]["last_error"]
+    assert newest(conn, wid) == []

@@ -24,7 +24,8 @@ from its configuration (`msg.options`), the only source of their defaults.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
@@ -46,6 +47,7 @@ from pepsi.worker.edits import COLUMNS, Edits, check
 Clock = Callable[[], datetime]
 ERROR_LIMIT = 2000  # characters of an error kept in state.last_error
 PER_STAGE = ("strikes", "temporary_failures")  # counts that start again at each stage
+RETRIES_EXHAUSTED = "retries-exhausted"  # state.failure_class past MAX_LIFETIME
 
 
 class Decision(NamedTuple):
@@ -103,7 +105,7 @@ def _advance_target(target: str, stages: Container[str]) -> tuple[str, str | Non
     return target, None
 
 
-def after_return(  # noqa: PLR0911  # one return per outcome reads best
+def after_return(
     result: object, msg: Message, loaded_state: str, stages: Container[str], now: Clock
 ) -> Decision:
     """The decision for what the stage returned; `stages` are those it may advance to."""
@@ -112,6 +114,13 @@ def after_return(  # noqa: PLR0911  # one return per outcome reads best
         problem = _state_problem(state)
         if problem is not None:
             return _host_failure(msg, json.loads(loaded_state), f"TypeError: {problem}", now)
+    return _decision(result, msg, state, stages, now)
+
+
+def _decision(  # noqa: PLR0911  # one return per outcome reads best
+    result: object, msg: Message, state: dict[str, Any], stages: Container[str], now: Clock
+) -> Decision:
+    """As `after_return`, for a state known to be writable."""
     if result is None:
         result = ADVANCE
     match result:
@@ -142,16 +151,19 @@ def _split(
 ) -> Decision:
     """Each part's decision; the row's own is the first part's that is not finished."""
     parts = [p for p in split.parts if isinstance(p, Part) and p.recipients]
-    problem = _split_problem(split, parts, msg.recipients, stages)
+    named = sorted(r for part in parts for r in part.recipients)
+    if len(parts) != len(split.parts) or named != sorted(msg.recipients):
+        return _host_failure(msg, state, _PARTS_PROBLEM, now)
+    spawn, problem = _spawned(split.spawn, stages)
     if problem is not None:
         return _host_failure(msg, state, problem, now)
     decided = tuple(
         (tuple(part.recipients), _part(part.outcome, msg, state, stages, now)) for part in parts
     )
-    if len(decided) == 1 and not split.spawn:
+    if len(decided) == 1 and not spawn:
         return decided[0][1]  # one group: an ordinary outcome
     row = next((d for _, d in decided if d.stage is not None), FINISH)
-    return row._replace(parts=decided, spawn=tuple(split.spawn), error=None)
+    return row._replace(parts=decided, spawn=spawn, error=None)
 
 
 def _part(
@@ -163,30 +175,36 @@ def _part(
         case Fail(reason=reason):
             return _permanent(msg, state, reason)
         case Advance() | Finish() | Pause():
-            return after_return(outcome, msg, json.dumps(state), stages, now)
+            return _decision(outcome, msg, state, stages, now)
     return _host_failure(msg, state, f"split part {outcome!r} is not an outcome", now)
 
 
-def _split_problem(
-    split: Split, parts: list[Part], recipients: tuple[str, ...], stages: Container[str]
-) -> str | None:
-    named = [r for part in parts for r in part.recipients]
-    if len(parts) != len(split.parts) or sorted(named) != sorted(recipients):
-        return "split: the parts must name each of the message's recipients once"
-    for made in split.spawn:
-        if not isinstance(made, NewMessage):
-            return f"split: spawn holds {made!r}, not a NewMessage"
-        target, problem = _advance_target(made.stage, stages)
+_PARTS_PROBLEM = "split: the parts must name each of the message's recipients once"
+# what a NewMessage carries of the columns a stage may edit (it has no correlation id)
+_NEW_MESSAGE_COLUMNS = tuple(name for name in COLUMNS if name != "correlation_id")
+
+
+def _spawned(
+    spawn: Sequence[object], stages: Container[str]
+) -> tuple[tuple[NewMessage, ...], str | None]:
+    """The new messages, each to its stage's full name (an AMQP queue's); or a problem."""
+    made: list[NewMessage] = []
+    for new in spawn:
+        if not isinstance(new, NewMessage):
+            return (), f"split: spawn holds {new!r}, not a NewMessage"
+        target, problem = _advance_target(new.stage, stages)
         if problem is not None:
-            return f"split: new message to stage {target!r}: {problem}"
+            return (), f"split: new message to stage {target!r}: {problem}"
+        problem = _state_problem(new.state)
         try:
-            for name in COLUMNS:
-                if name not in ("correlation_id",):
-                    check(name, getattr(made, name))
-            json.dumps(made.state, allow_nan=False)
+            for name in _NEW_MESSAGE_COLUMNS:
+                check(name, getattr(new, name))
         except (TypeError, ValueError) as exc:
-            return f"split: new message: {exc}"
-    return None
+            problem = str(exc)
+        if problem is not None:
+            return (), f"split: new message: {problem}"
+        made.append(replace(new, stage=target))
+    return tuple(made), None
 
 
 def after_raise(exc: Exception, msg: Message, loaded_state: str, now: Clock) -> Decision:
@@ -218,7 +236,7 @@ def _state_problem(state: object) -> str | None:
     if not isinstance(state, dict):
         return f"state is not a JSON object but {type(state).__name__}"
     try:
-        json.dumps(state)
+        json.dumps(state, allow_nan=False)  # jsonb has no NaN
     except (TypeError, ValueError) as exc:
         return f"state is not JSON: {exc}"
     return None
@@ -231,7 +249,7 @@ def _host_failure(msg: Message, state: dict[str, Any], error: str, now: Clock) -
     moment = now()
     if moment - msg.arrived > timedelta(seconds=options.max_lifetime):
         new_state["failed_stage"] = msg.stage
-        new_state["failure_class"] = "retries-exhausted"
+        new_state["failure_class"] = RETRIES_EXHAUSTED
         if options.bounce_stage is not None:
             return Decision("advance", options.bounce_stage, "pending", new_state, error=error)
         return Decision("fail", msg.stage, "failed", new_state, error=error)

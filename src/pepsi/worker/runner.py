@@ -345,7 +345,12 @@ class StageRunner:
         else:
             started = time.perf_counter_ns()
             decision = self._decide(msg, loaded_state, loaded)
-            if decision.outcome == "advance" and decision.stage in self.fuse_into:
+            # a split's row advances with its parts and new messages: written, not fused
+            if (
+                decision.outcome == "advance"
+                and decision.parts is None
+                and decision.stage in self.fuse_into
+            ):
                 decision = self._fuse(msg, decision, loaded, started, batch)
         decision = self._with_edits(msg, decision, loaded, loaded_state)
         self._log_failures(msg, decision)
@@ -433,7 +438,9 @@ class StageRunner:
             if self.conn.broken and database_exit_code(exc) is not None:
                 raise  # our own connection went (a lazy body load): the batch answers 74/75
             decision = after_raise(exc, msg, loaded_state, self.now)
-        if decision.outcome in ("retry", "fail") and edits.changed(msg, before):
+        # (a split's first part may retry or fail: its edits stand, as a transactional stage's)
+        failed = decision.parts is None and decision.outcome in ("retry", "fail")
+        if failed and edits.changed(msg, before):
             edits.restore(msg, before)
         return decision
 
@@ -468,7 +475,7 @@ class StageRunner:
         BOUNCE_STAGE), with the state every fused stage left.
         """
         passes = [(self.stage.name, time.perf_counter_ns() - started, decision.outcome)]
-        while decision.outcome == "advance" and decision.stage is not None:
+        while decision.outcome == "advance" and decision.parts is None and decision.stage:
             successor = self.fuse_into.get(decision.stage)
             handler = self._handler(successor) if successor is not None else None
             if successor is None or handler is None:
