@@ -122,8 +122,11 @@ def test_a_null_sender_is_never_reported_to(
     assert conn.execute("SELECT count(*) FROM pepsi.workqueue").fetchone() == (1,)
 
 
-def test_a_relay_without_its_secret_refuses_to_start(config: Config) -> None:
+def test_a_relay_without_its_secret_refuses_to_start(config: Config, tmp_path: Path) -> None:
     with pytest.raises(WorkerRefused, match=r"\[stage-relay\] AUTH_SECRET_FILE: cannot read"):
+        load_handler(config.stages["relay"])
+    (tmp_path / "missing.secret").write_bytes(b"\xff\xfe not text")
+    with pytest.raises(WorkerRefused, match=r"AUTH_SECRET_FILE: .*missing.secret is not UTF-8"):
         load_handler(config.stages["relay"])
 
 

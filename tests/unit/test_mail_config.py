@@ -97,3 +97,39 @@ def test_mistakes_are_one_line_naming_the_key(tmp_path: Path, ingress: str, prob
 def test_a_larger_max_size_needs_a_larger_max_message_size(tmp_path: Path) -> None:
     options = load(tmp_path, "MAX_SIZE = 100M\nMAX_MESSAGE_SIZE = 101M")
     assert options.max_size == 100 * MIB
+
+
+@pytest.mark.parametrize(
+    ("servers", "found"),
+    [
+        ("127.0.0.1:5353", (("127.0.0.1", 5353),)),
+        ("192.0.2.1, [2001:db8::1]:53 ::1", (("192.0.2.1", 53), ("2001:db8::1", 53), ("::1", 53))),
+    ],
+)
+def test_name_servers_are_addresses_with_an_optional_port(
+    tmp_path: Path, servers: str, found: tuple[tuple[str, int], ...]
+) -> None:
+    path = tmp_path / "pepsi.conf"
+    path.write_text(
+        f"[stage-out]\nPROGRAM = pepsi-stage-relay-to-internet\nNAMESERVERS = {servers}\n"
+    )
+    assert load_config(path).stages["out"].builtin_options.nameservers == found
+
+
+@pytest.mark.parametrize(
+    ("servers", "problem"),
+    [
+        ("dns.google", "expected name servers by IP address"),
+        ("off", "expected name servers by IP address"),
+        ("127.0.0.1:0", "expected a port from 1 to 65535"),
+    ],
+)
+def test_a_name_server_that_is_not_an_address_is_refused(
+    tmp_path: Path, servers: str, problem: str
+) -> None:
+    path = tmp_path / "pepsi.conf"
+    path.write_text(
+        f"[stage-out]\nPROGRAM = pepsi-stage-relay-to-internet\nNAMESERVERS = {servers}\n"
+    )
+    with pytest.raises(ConfigError, match=f"NAMESERVERS: {problem}"):
+        load_config(path)

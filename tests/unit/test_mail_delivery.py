@@ -1,14 +1,21 @@
-"""Delivery outcomes and their reports (pepsi.mail.delivery, pepsi.mail.dsn): pure."""
+"""Delivery outcomes and their reports (pepsi.mail.delivery, pepsi.mail.dsn): pure; and the
+relay's per-destination slots (files and locks)."""
 
 from __future__ import annotations
 
 import email
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 from email import policy
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from pepsi.mail import delivery, dsn
 from pepsi.mail.delivery import Context, Result
+from pepsi.mail.outbound import Slots
 from pepsi.stage import Advance, Defer, Fail, Finish, NewMessage, Part
 
 NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
@@ -152,12 +159,7 @@ def test_a_bounce_after_retries_reports_every_recipient() -> None:
     assert delivery.failure_report(context(sender=""), "4.4.7") is None
 
 
-def test_at_most_limit_connections_per_destination_across_processes(tmp_path: Any) -> None:
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    from pepsi.mail.outbound import Slots  # noqa: PLC0415
-
+def test_at_most_limit_connections_per_destination_across_processes(tmp_path: Path) -> None:
     slots = Slots(2, tmp_path)
     first, second = slots.take("example.org"), slots.take("Example.ORG")
     assert first is not None
@@ -174,3 +176,11 @@ def test_at_most_limit_connections_per_destination_across_processes(tmp_path: An
     Slots.give_back(first)
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() != "None"
+
+
+def test_a_slot_folder_another_could_use_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "slots"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)  # whoever else can write here could hold every slot
+    with pytest.raises(RuntimeError, match=r"relay's slot directory .* is not private"):
+        Slots(2, shared)

@@ -39,7 +39,7 @@ def is_private(directory: Path, uid: int) -> bool:
     return stat.S_ISDIR(found.st_mode) and found.st_uid == uid and not found.st_mode & 0o077
 
 
-def make_private(directory: Path, uid: int, gid: int) -> None:
+def make_private(directory: Path, uid: int, gid: int, what: str = "socket directory") -> None:
     """Create `directory` 0700 for `uid`, or accept it only if it already is so."""
     try:
         directory.mkdir(mode=0o700)
@@ -51,7 +51,7 @@ def make_private(directory: Path, uid: int, gid: int) -> None:
     if not is_private(directory, uid):
         found = os.lstat(directory)
         raise RuntimeError(
-            f"the socket directory {directory} is not private (owner uid {found.st_uid}, "
+            f"the {what} {directory} is not private (owner uid {found.st_uid}, "
             f"mode {stat.S_IMODE(found.st_mode):o}); remove it"
         )
 

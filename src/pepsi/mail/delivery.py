@@ -24,11 +24,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pepsi.mail import dsn
-from pepsi.stage import Advance, Defer, Fail, Finish, NewMessage, Part, Split
+from pepsi.stage import Advance, Defer, Fail, Finish, Message, NewMessage, Part, Split
 
 _ENHANCED = re.compile(r"([245])\.(\d{1,3})\.(\d{1,3})\b")
 DELAY_SENT = "delay_dsn_sent"  # state: the delay report went out already
@@ -78,14 +78,37 @@ class Context:
     hostname: str
     now: datetime
 
+    @classmethod
+    def of(
+        cls, msg: Message, *, dsn_stage: str | None, delay_dsn_after: float, hostname: str
+    ) -> Context:
+        """A stage's message now (its header block and body read: a report returns them)."""
+        return cls(
+            sender=msg.sender,
+            recipients=msg.recipients,
+            arrived=msg.arrived,
+            smtp=msg.properties.get("smtp", {}),
+            state=msg.state,
+            header=msg.header or b"",
+            body=msg.body or b"",
+            dsn_stage=dsn_stage,
+            delay_dsn_after=delay_dsn_after,
+            hostname=hostname,
+            now=datetime.now(UTC),
+        )
+
+
+def may_report(dsn_stage: str | None, sender: str | None, state: Mapping[str, Any]) -> bool:
+    """Whether reports may be sent about a message at all."""
+    return (
+        dsn_stage is not None
+        and bool(sender)  # never to the null sender: no loops
+        and not state.get(LIST_COPY)
+    )
+
 
 def reportable(context: Context) -> bool:
-    """Whether reports may be sent about this message at all."""
-    return (
-        context.dsn_stage is not None
-        and bool(context.sender)  # never to the null sender: no loops
-        and not context.state.get(LIST_COPY)
-    )
+    return may_report(context.dsn_stage, context.sender, context.state)
 
 
 def notify(context: Context, recipient: str) -> tuple[str, ...]:

@@ -4,7 +4,7 @@ Hosts of equal preference are tried in a random order (load sharing, as
 §5.1 asks); a domain without MX records is its own mail host (its A and
 AAAA records); a null MX (RFC 7505) or a domain that does not exist is a
 permanent failure, any other DNS trouble a temporary one. The name servers
-are the system's unless NAMESERVERS says otherwise (`HOST` or `HOST:PORT`,
+are the system's unless NAMESERVERS says otherwise (`ADDRESS` or `ADDRESS:PORT`,
 so that a test can run one on a loopback port).
 """
 

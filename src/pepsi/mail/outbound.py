@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import smtplib
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pepsi.db.socketdir import make_private
 from pepsi.mail.delivery import Result
 from pepsi.mail.envelope import xtext_encode
 
@@ -80,9 +82,11 @@ class Slots:
     """
 
     def __init__(self, limit: int, folder: Path | None = None) -> None:
+        """RuntimeError if the folder exists and is not this user's alone (0700)."""
         self.limit = limit
         self.folder = folder or Path(tempfile.gettempdir()) / f"pepsi-relay-{os.getuid()}"
-        self.folder.mkdir(mode=0o700, exist_ok=True)
+        # another user's folder could hold every slot: refused, as the socket folder is
+        make_private(self.folder, os.getuid(), os.getgid(), "relay's slot directory")
 
     def take(self, destination: str) -> int | None:
         """A held slot (a file descriptor), or None if all `limit` are taken."""
@@ -286,12 +290,18 @@ def _ehlo(smtp: smtplib.SMTP, peer: Peer) -> None:
 
 
 def _context(peer: Peer, *, verify: bool) -> ssl.SSLContext:
+    return _tls_context(verify, peer.ca_file if verify else None)
+
+
+@functools.cache
+def _tls_context(verify: bool, ca_file: Path | None) -> ssl.SSLContext:
+    """One context per kind, reused by every connection (loading the CAs takes ~20 ms)."""
     if not verify:
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
         return context
-    return ssl.create_default_context(cafile=str(peer.ca_file) if peer.ca_file else None)
+    return ssl.create_default_context(cafile=str(ca_file) if ca_file else None)
 
 
 def _mail_options(smtp: smtplib.SMTP, message: Outgoing, *, dsn: bool) -> list[str]:

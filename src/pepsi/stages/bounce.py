@@ -16,12 +16,11 @@ mailing-list copy) takes the path above.
 
 from __future__ import annotations
 
-import socket
-from datetime import UTC, datetime
-
 from pepsi.mail import delivery
 from pepsi.stage import Advance, Finish, Message, Part, PermanentError, Split, stage
+from pepsi.stages.mail_options import machine_name
 from pepsi.stages.options import BounceOptions
+from pepsi.worker.outcomes import RETRIES_EXHAUSTED
 
 FAILURE_CLASS = "permanent"  # what a PermanentError records, so both paths agree
 EXPIRED = "4.4.7"  # RFC 3463: delivery time expired
@@ -30,33 +29,20 @@ EXPIRED = "4.4.7"  # RFC 3463: delivery time expired
 @stage
 def run(msg: Message) -> Advance | Split | Finish:
     options: BounceOptions = msg.options.builtin_options
-    if options.dsn_stage is not None and msg.sender is not None and msg.recipients:
-        context = _context(msg, options)
-        if delivery.reportable(context):
-            status = EXPIRED if msg.state.get("failure_class") == "retries-exhausted" else "5.0.0"
-            report = delivery.failure_report(context, status)
-            if report is None:  # every recipient's NOTIFY refused a report
-                return Finish()
-            return Split((Part(tuple(msg.recipients), Finish()),), spawn=(report,))
+    # decided before the context is built: that reads the header block and body
+    if msg.recipients and delivery.may_report(options.dsn_stage, msg.sender, msg.state):
+        context = delivery.Context.of(
+            msg, dsn_stage=options.dsn_stage, delay_dsn_after=0.0,
+            hostname=options.hostname or machine_name(),
+        )  # fmt: skip
+        status = EXPIRED if msg.state.get("failure_class") == RETRIES_EXHAUSTED else "5.0.0"
+        report = delivery.failure_report(context, status)
+        if report is None:  # every recipient's NOTIFY refused a report
+            return Finish()
+        return Split((Part(tuple(msg.recipients), Finish()),), spawn=(report,))
     reason = options.reason or f"bounced at stage {msg.stage}"
     target = msg.options.bounce_stage
     if target is None:
         raise PermanentError(reason)  # failed here: the failure bouncer's to take
     msg.state.update(last_error=reason, failed_stage=msg.stage, failure_class=FAILURE_CLASS)
     return Advance(target)
-
-
-def _context(msg: Message, options: BounceOptions) -> delivery.Context:
-    return delivery.Context(
-        sender=msg.sender,
-        recipients=msg.recipients,
-        arrived=msg.arrived,
-        smtp=msg.properties.get("smtp", {}),
-        state=msg.state,
-        header=msg.header or b"",  # loaded on first access: a report returns the message
-        body=msg.body or b"",
-        dsn_stage=options.dsn_stage,
-        delay_dsn_after=0.0,
-        hostname=options.hostname or socket.getfqdn(),
-        now=datetime.now(UTC),
-    )

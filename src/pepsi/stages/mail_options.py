@@ -9,6 +9,7 @@ that the queue waits for the fix instead of each message failing (W-3).
 from __future__ import annotations
 
 import functools
+import ipaddress
 import re
 import socket
 from collections.abc import Mapping
@@ -74,7 +75,7 @@ class RelayOptions:
 
     @property
     def helo(self) -> str:
-        return self.hostname or _fqdn()
+        return self.hostname or machine_name()
 
     def describe(self) -> str:
         if self.host is not None:
@@ -84,13 +85,25 @@ class RelayOptions:
         )
 
     def check_at_start(self) -> None:
-        if self.auth_secret_file is not None:
-            read_secret("AUTH_SECRET_FILE", self.auth_secret_file)
+        from pepsi.mail.outbound import Slots  # noqa: PLC0415  # smtplib, for its workers
+
+        self.secret()
+        try:
+            Slots(self.destination_concurrency)  # the slot folder: this user's alone
+        except (OSError, RuntimeError) as exc:
+            raise StartError("DESTINATION_CONCURRENCY", str(exc)) from None
 
     def secret(self) -> str | None:
+        """AUTH_SECRET_FILE's password (read by the stage once per worker)."""
         if self.auth_secret_file is None:
             return None
-        return read_secret("AUTH_SECRET_FILE", self.auth_secret_file).decode().strip()
+        data = read_secret("AUTH_SECRET_FILE", self.auth_secret_file)
+        try:
+            return data.decode().strip()
+        except UnicodeDecodeError:
+            raise StartError(
+                "AUTH_SECRET_FILE", f"{self.auth_secret_file} is not UTF-8 text"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -110,8 +123,9 @@ class DkimOptions:
     def check_at_start(self) -> None:
         from pepsi.mail.dkim import load_key  # noqa: PLC0415  # cryptography, for its workers
 
+        pem = read_secret("KEY_FILE", self.key_file)
         try:
-            load_key(read_secret("KEY_FILE", self.key_file))
+            load_key(pem)
         except ValueError as exc:
             raise StartError("KEY_FILE", f"{self.key_file}: {exc}") from None
 
@@ -137,7 +151,7 @@ class SrsOptions:
 
 
 @functools.cache
-def _fqdn() -> str:
+def machine_name() -> str:
     """The machine's name, asked once (socket.getfqdn may ask DNS each time)."""
     return socket.getfqdn()
 
@@ -150,15 +164,25 @@ def tls_mode(text: str) -> str:
 
 
 def nameservers(text: str) -> tuple[tuple[str, int], ...]:
-    """Name servers: HOST or HOST:PORT ([v6]:PORT), separated by commas or spaces."""
+    """Name servers by IP address: ADDRESS or ADDRESS:PORT ([v6] or [v6]:PORT), separated
+    by commas or spaces (the resolver asks addresses, not names)."""
     found = []
     for word in text.replace(",", " ").split():
-        if word.startswith("[") or word.count(":") == 1:
-            address = v.listen_address(word)
-            assert address is not None
-            found.append(address)
-        else:
-            found.append((word, 53))
+        host, port = word, "53"
+        if word.startswith("["):
+            host, _, port = word[1:].partition("]")
+            port = port.removeprefix(":") if port else "53"
+        elif word.count(":") == 1:
+            host, _, port = word.partition(":")
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(
+                f"expected name servers by IP address, such as 127.0.0.1:5353; got {word!r}"
+            ) from None
+        if not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ValueError(f"expected a port from 1 to 65535 in {word!r}")
+        found.append((host, int(port)))
     if not found:
         raise ValueError("must name at least one server")
     return tuple(found)

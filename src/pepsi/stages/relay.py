@@ -11,7 +11,7 @@ message to the same host (`pepsi.mail.outbound.Client`, one per stage).
 from __future__ import annotations
 
 from collections import defaultdict
-from datetime import UTC, datetime
+from dataclasses import dataclass
 
 from dns.resolver import Resolver
 
@@ -19,25 +19,31 @@ from pepsi.config import StageConfig
 from pepsi.mail import delivery, mx
 from pepsi.mail.delivery import Result
 from pepsi.mail.outbound import Client, Outgoing, Peer, Slots
+from pepsi.mail.policy import domain_of
 from pepsi.stage import Message, Needs, PermanentError, Split, stage
 from pepsi.stages.mail_options import RelayOptions
 
-_CLIENTS: dict[str, Client] = {}  # by stage: a worker runs one stage, this is for tests
-_RESOLVERS: dict[str, Resolver] = {}
+
+@dataclass(frozen=True)
+class _Route:
+    """What a relay stage's worker keeps between messages (built at its first)."""
+
+    client: Client  # its open SMTP connections
+    smarthost: Peer | None  # to_smarthost: the one peer, its secret read once
+    resolver: Resolver | None  # to_internet: DNS answers cached for their TTL
+
+
+_ROUTES: dict[str, _Route] = {}  # by stage: a worker runs one stage, this is for tests
 
 
 @stage(Needs.BODY)
 def to_smarthost(msg: Message) -> Split:
     _require_recipients(msg)
     options: RelayOptions = msg.options.builtin_options
-    assert options.host is not None
-    secret = options.secret()
-    peer = Peer(
-        options.host, options.host, options.port, options.tls, options.tls_ca_file,
-        None if options.auth_user is None or secret is None else (options.auth_user, secret),
-    )  # fmt: skip
-    outgoing = _outgoing(msg, msg.recipients)
-    results = _client(msg.options).send(f"{options.host}:{options.port}", [peer], outgoing)
+    route = _route(msg.options)
+    assert route.smarthost is not None
+    outgoing = _outgoing(msg, msg.recipients, _data(msg))
+    results = route.client.send(f"{options.host}:{options.port}", [route.smarthost], outgoing)
     return _outcome(msg, options, results)
 
 
@@ -45,23 +51,22 @@ def to_smarthost(msg: Message) -> Split:
 def to_internet(msg: Message) -> Split:
     _require_recipients(msg)
     options: RelayOptions = msg.options.builtin_options
-    resolver = _RESOLVERS.get(msg.options.name)
-    if resolver is None:
-        resolver = _RESOLVERS[msg.options.name] = mx.make_resolver(options.nameservers)
+    route = _route(msg.options)
+    assert route.resolver is not None
     by_domain: dict[str, list[str]] = defaultdict(list)
     for recipient in msg.recipients:
-        by_domain[recipient.rpartition("@")[2].lower()].append(recipient)
+        by_domain[domain_of(recipient)].append(recipient)
     results: dict[str, Result] = {}
-    client = _client(msg.options)
+    data = _data(msg)
     for domain, recipients in by_domain.items():
         try:
-            hops = mx.route(domain, resolver)
+            hops = mx.route(domain, route.resolver)
         except mx.RouteError as exc:
             code = 550 if exc.permanent else 0
             results.update({r: Result(code, str(exc), exc.status) for r in recipients})
             continue
         peers = [Peer(h.host, h.address, options.port, "may") for h in hops]
-        results.update(client.send(domain, peers, _outgoing(msg, tuple(recipients))))
+        results.update(route.client.send(domain, peers, _outgoing(msg, tuple(recipients), data)))
     return _outcome(msg, options, results)
 
 
@@ -70,37 +75,41 @@ def _require_recipients(msg: Message) -> None:
         raise PermanentError("no recipients to deliver to (a message published without any)")
 
 
-def _client(config: StageConfig) -> Client:
-    client = _CLIENTS.get(config.name)
-    if client is None:
+def _route(config: StageConfig) -> _Route:
+    route = _ROUTES.get(config.name)
+    if route is None:
         options: RelayOptions = config.builtin_options
-        client = _CLIENTS[config.name] = Client(
+        client = Client(
             helo=options.helo,
             connect_timeout=options.connect_timeout,
             slots=Slots(options.destination_concurrency),
         )
-    return client
+        smarthost = resolver = None
+        if options.host is not None:
+            secret = options.secret()
+            login = (options.auth_user, secret) if options.auth_user and secret else None
+            smarthost = Peer(
+                options.host, options.host, options.port, options.tls, options.tls_ca_file, login
+            )
+        else:
+            resolver = mx.make_resolver(options.nameservers)
+        route = _ROUTES[config.name] = _Route(client, smarthost, resolver)
+    return route
 
 
-def _outgoing(msg: Message, recipients: tuple[str, ...]) -> Outgoing:
-    data = (msg.header or b"") + b"\r\n" + (msg.body or b"")
+def _data(msg: Message) -> bytes:
+    return (msg.header or b"") + b"\r\n" + (msg.body or b"")
+
+
+def _outgoing(msg: Message, recipients: tuple[str, ...], data: bytes) -> Outgoing:
     return Outgoing(msg.sender or "", recipients, data, msg.properties.get("smtp", {}))
 
 
 def _outcome(msg: Message, options: RelayOptions, results: dict[str, Result]) -> Split:
-    context = delivery.Context(
-        sender=msg.sender,
-        recipients=msg.recipients,
-        arrived=msg.arrived,
-        smtp=msg.properties.get("smtp", {}),
-        state=msg.state,
-        header=msg.header or b"",
-        body=msg.body or b"",
-        dsn_stage=options.dsn_stage,
-        delay_dsn_after=options.delay_dsn_after,
+    context = delivery.Context.of(
+        msg, dsn_stage=options.dsn_stage, delay_dsn_after=options.delay_dsn_after,
         hostname=options.helo,
-        now=datetime.now(UTC),
-    )
+    )  # fmt: skip
     split, state = delivery.decide(context, results)
     msg.state.update(state)
     return split
