@@ -14,7 +14,7 @@ from pepsi.mail.envelope import MailParameters, ParameterError, RcptParameters
 
 
 def mail(*words: str, max_size: int = 1000) -> MailParameters:
-    return envelope.mail_parameters(list(words), max_size=max_size, utf8_offered=True)
+    return envelope.mail_parameters(list(words), max_size=max_size)
 
 
 def refusal(call: Callable[..., object], *args: object, **kwargs: object) -> str:

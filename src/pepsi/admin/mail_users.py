@@ -73,6 +73,10 @@ def delete_user(conn: Connection, name: str) -> None:
         raise UnknownMailUser(name)
 
 
+def user_exists(conn: Connection, name: str) -> bool:
+    return conn.execute(query("mail_user_get"), {"name": name}).fetchone() is not None
+
+
 def list_users(conn: Connection) -> list[MailUser]:
     return [MailUser(*row) for row in conn.execute(query("mail_user_list"))]
 

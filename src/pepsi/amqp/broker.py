@@ -33,6 +33,7 @@ from typing import Any, Final, NamedTuple
 
 from pamqp import base, commands
 
+from pepsi.addresses import MAX_TEXT  # a longer property is not copied into its column
 from pepsi.amqp import framing, replies
 from pepsi.amqp.arguments import (
     MAX_EXPIRY_MS,
@@ -75,7 +76,6 @@ from pepsi.publishing.message import Row
 
 log = logging.getLogger("pepsi.amqp")
 
-MAX_TEXT: Final = 4096  # a property longer than this is not copied into its column
 ROUTING_CACHE: Final = 1024  # (exchange, routing key) JSON texts kept per channel
 PROPERTIES_CACHE: Final = 64  # parsed property lists kept per channel ...
 PROPERTIES_CACHE_OCTETS: Final = 512  # ... each at most this long

@@ -106,7 +106,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument(
         "--quiet", action="store_true", help="print a summary on stderr instead of the ids"
     )
-    parser.set_defaults(handler=run_ingress)
+    # What the producer's options are when none is given: --serve takes none of them.
+    unset = {k: v for k, v in vars(parser.parse_args([])).items() if k != "serve"}
+    parser.set_defaults(handler=run_ingress, producer_defaults=unset)
 
 
 class _Usage(InvalidMessage):
@@ -248,20 +250,12 @@ def _flush(
     return count
 
 
-# What the producer's options are when none is given: --serve takes none of them.
-_PRODUCER_DEFAULTS: dict[str, object] = {
-    "files": [], "stage": None, "format": "raw", "sender": None, "recipients": [], "user": None,
-    "peer": None, "message_id": None, "dedup": False, "subject": None, "header_from": None,
-    "content_type": None, "correlation_id": None, "property": [], "expires": None, "count": 1,
-    "rate": None, "batch": 100, "quiet": False,
-}  # fmt: skip
-
-
 _OPTION_NAMES = {"files": "FILE", "recipients": "--recipient"}
 
 
 def _serve(args: argparse.Namespace, ctx: Context) -> int:
-    given = sorted(k for k, default in _PRODUCER_DEFAULTS.items() if getattr(args, k) != default)
+    unset: dict[str, object] = args.producer_defaults
+    given = sorted(k for k, default in unset.items() if getattr(args, k) != default)
     if given:
         names = ", ".join(_OPTION_NAMES.get(k) or "--" + k.replace("_", "-") for k in given)
         raise _Usage(f"--serve takes no publishing option (got {names})")

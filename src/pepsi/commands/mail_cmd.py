@@ -61,7 +61,7 @@ def run_user_add(args: argparse.Namespace, ctx: Context) -> int:
 
 def run_user_passwd(args: argparse.Namespace, ctx: Context) -> int:
     with open_current(ctx.config()) as conn:
-        if args.name not in {u.name for u in mail_users.list_users(conn)}:
+        if not mail_users.user_exists(conn, args.name):
             raise mail_users.UnknownMailUser(args.name)  # before asking for a password
         mail_users.change_password(conn, args.name, read_password(args.password_stdin))
     print(f"changed the password of mail user {args.name!r}")

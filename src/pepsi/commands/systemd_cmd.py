@@ -33,12 +33,12 @@ from pathlib import Path
 from pepsi.commands import Context, summary
 from pepsi.errors import EX_OK, UsageError
 
-UNIT_NAME = "pepsi-dispatch.service"
 # The programs with a unit: their unit file and the arguments after `-c CONFIG`.
 UNITS = {
     "dispatch": ("pepsi-dispatch.service", "dispatch serve"),
     "ingress": ("pepsi-ingress.service", "ingress --serve"),
 }
+UNIT_NAME = UNITS["dispatch"][0]  # the default unit
 DEFAULT_CONFIG = Path("/etc/pepsi/pepsi.conf")
 DEFAULT_ENVIRONMENT_FILE = "-/etc/default/pepsi"
 DEFAULT_USER = "pepsi"

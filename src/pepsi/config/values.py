@@ -87,6 +87,11 @@ def listen_address(text: str) -> tuple[str, int] | None:
     return host, int(port)
 
 
+def host_port(host: str, port: int) -> str:
+    """HOST:PORT as `listen_address` reads it back (an IPv6 host in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def password_hash(text: str) -> str:
     """A stored password: the scrypt string `pepsi web password` prints, never a password."""
     value = text.strip()
@@ -202,7 +207,7 @@ def domain_names(text: str) -> tuple[str, ...]:
     """Domains separated by commas or spaces, lower-cased; `.example.com` means its subdomains."""
     found: list[str] = []
     for word in text.replace(",", " ").split():
-        name = word.lower().rstrip(".") if word != "." else word
+        name = word.lower().rstrip(".")
         bare = name[1:] if name.startswith(".") else name
         if not _DOMAIN.fullmatch(bare) or len(bare) > 253:
             raise ValueError(f"not a domain name: {word!r}")

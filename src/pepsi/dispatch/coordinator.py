@@ -28,6 +28,7 @@ from pepsi.admin.horizon import Probe
 from pepsi.amqp import server as amqp_server
 from pepsi.amqp.broker import Broker as AmqpBroker
 from pepsi.config import Config
+from pepsi.config.values import host_port
 from pepsi.dispatch import decisions, fairness, reload
 from pepsi.dispatch.claimer import Claimer
 from pepsi.dispatch.flusher import StatsFlusher
@@ -250,7 +251,7 @@ class Dispatcher:
             ) from None
         self.amqp_broker.batcher.on_blocked = server.set_blocked  # connection.blocked
         host, port = server.address
-        log.info("amqp listening on %s:%d", f"[{host}]" if ":" in host else host, port)
+        log.info("amqp listening on %s", host_port(host, port))
         return server
 
     async def _serve_web(self) -> Any:

@@ -26,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from pepsi.admin.horizon import Holder
+from pepsi.config.values import host_port
 from pepsi.dispatch.stats import OUTCOME_COUNTERS, WAKEUP_CAUSES, Counts
 from pepsi.errors import DatabaseUnavailable
 
@@ -208,13 +209,9 @@ class MetricsServer:
         self._server: Any
         self._server, self._thread = start_http_server(port, host, registry=registry)
         bound = self._server.server_address
-        self.url = f"http://{_host(str(bound[0]))}:{bound[1]}/metrics"
+        self.url = f"http://{host_port(str(bound[0]), bound[1])}/metrics"
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
-
-
-def _host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host

@@ -16,6 +16,7 @@ import logging
 
 from aiosmtpd.smtp import SMTP, AuthResult
 
+from pepsi.errors import one_line
 from pepsi.mail import replies
 from pepsi.mail.connection import Connection
 
@@ -78,7 +79,7 @@ class Authenticating(Connection):
         except UnicodeDecodeError:
             valid = False
         except Exception as exc:  # noqa: BLE001  # the database, not the client: try later
-            log.warning("AUTH for %s could not be checked: %s", self.client, exc)
+            log.warning("AUTH for %s could not be checked: %s", self.client, one_line(exc))
             return AuthResult(success=False, handled=False, message=TEMPORARY_AUTH_FAILURE)
         throttle = self.ingress.throttle
         if valid:

@@ -75,7 +75,7 @@ class Committer:
             log.exception("id %s not stored", queue_id)
             return replies.NOT_STORED, None
         self.stored += 1
-        return replies.QUEUED.with_text(f"Queued as {workqueue_id}"), workqueue_id
+        return replies.queued(workqueue_id), workqueue_id
 
     async def close(self) -> None:
         """Wait for the commits under way, then stop."""

@@ -136,8 +136,8 @@ def build(
     )
 
 
-def _part(content_type: str, payload: bytes, *, eight_bit: bool = False) -> bytes:
-    encoding = "8bit" if eight_bit or not payload.isascii() else "7bit"
+def _part(content_type: str, payload: bytes) -> bytes:
+    encoding = "7bit" if payload.isascii() else "8bit"
     return (
         f"Content-Type: {content_type}\r\nContent-Transfer-Encoding: {encoding}\r\n\r\n"
     ).encode() + payload
@@ -175,5 +175,5 @@ def _returned(kind: str, original: Original) -> bytes:
     )
     if whole:
         content = original.header + b"\r\n" + original.body
-        return _part("message/rfc822", content, eight_bit=not content.isascii())
+        return _part("message/rfc822", content)
     return _part("text/rfc822-headers", original.header)

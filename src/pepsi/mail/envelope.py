@@ -24,9 +24,9 @@ from pepsi.mail.replies import Reply
 NOTIFY_WORDS = ("SUCCESS", "FAILURE", "DELAY")
 MAX_ENVID = 100  # RFC 3461 §4.4
 MAX_ORCPT = 500  # RFC 3461 §4.2
+# an esmtp-keyword (RFC 5321 §4.1.2), and the same syntax for ORCPT's addr-type
 _KEYWORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*")
 _XTEXT = re.compile(r"(?:[!-*,-<>-~]|\+[0-9A-F]{2})*")
-_ADDR_TYPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*")
 
 
 class ParameterError(Exception):
@@ -82,14 +82,14 @@ def xtext_encode(text: str) -> str:
     return "".join(c if "!" <= c <= "~" and c not in "+=" else f"+{ord(c):02X}" for c in text)
 
 
-def mail_parameters(words: Sequence[str], *, max_size: int, utf8_offered: bool) -> MailParameters:
+def mail_parameters(words: Sequence[str], *, max_size: int) -> MailParameters:
     """The parameters of one MAIL command, or ParameterError with the reply to give."""
     found: dict[str, Any] = {}
     for key, value in split_parameters(words).items():
         if key == "AUTH":
             continue  # RFC 4954 §5: the session's own login is the identity kept
         parse = _MAIL_PARAMETERS.get(key)
-        if parse is None or (key == "SMTPUTF8" and not utf8_offered):
+        if parse is None:
             raise ParameterError(replies.UNKNOWN_PARAMETER.with_text(f"{key} not recognized"))
         found[key.lower()] = parse(value)
     size = found.get("size")
@@ -161,7 +161,7 @@ def _notify(value: str) -> tuple[str, ...]:
 
 def _orcpt(value: str) -> str:
     kind, semicolon, address = value.partition(";")
-    if not semicolon or not _ADDR_TYPE.fullmatch(kind) or len(value) > MAX_ORCPT:
+    if not semicolon or not _KEYWORD.fullmatch(kind) or len(value) > MAX_ORCPT:
         raise _bad("ORCPT is addr-type;xtext")
     decoded = xtext_decode(address)
     if not decoded:

@@ -20,19 +20,19 @@ class Reply:
     def __str__(self) -> str:
         return f"{self.code} {self.status} {self.text}"
 
-    @property
-    def ok(self) -> bool:
-        return 200 <= self.code < 300
-
     def with_text(self, text: str) -> Reply:
         return Reply(self.code, self.status, text)
 
 
-OK = Reply(250, "2.0.0", "OK")
 SENDER_OK = Reply(250, "2.1.0", "Sender OK")
 RECIPIENT_OK = Reply(250, "2.1.5", "Recipient OK")
-QUEUED = Reply(250, "2.0.0", "Queued as {id}")  # .with_text(QUEUED.text.format(id=...))
-BYE = Reply(221, "2.0.0", "Bye")
+
+
+def queued(workqueue_id: int) -> Reply:
+    """The 250 after the commit: the row's id, as Postfix names its queue id."""
+    return Reply(250, "2.0.0", f"Queued as {workqueue_id}")
+
+
 START_DATA = "354 End data with <CR><LF>.<CR><LF>"  # no enhanced code on 354 (RFC 2034)
 
 # Temporary refusals: the client keeps the message and tries again later.
@@ -50,7 +50,6 @@ TOO_BIG = Reply(552, "5.3.4", "Message size exceeds the fixed limit")
 RELAY_DENIED = Reply(554, "5.7.1", "Relay access denied")
 AUTH_FAILED = Reply(535, "5.7.8", "Authentication credentials invalid")
 AUTH_OK = Reply(235, "2.7.0", "Authentication successful")
-AUTH_NEEDS_TLS = Reply(538, "5.7.11", "Encryption required for requested authentication mechanism")
 BAD_SYNTAX = Reply(501, "5.5.4", "Syntax error in parameters or arguments")
 BAD_ADDRESS = Reply(553, "5.1.3", "Malformed or unsupported address")
 NOT_ASCII = Reply(553, "5.6.7", "Non-ASCII address without SMTPUTF8")

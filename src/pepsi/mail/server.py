@@ -26,6 +26,7 @@ from pathlib import Path
 from pepsi.admin import mail_users
 from pepsi.amqp import passwords
 from pepsi.config import Config
+from pepsi.config.values import host_port
 from pepsi.db import connect as db_connect
 from pepsi.errors import EX_OK, ConfigError, PepsiError
 from pepsi.mail import replies
@@ -178,7 +179,7 @@ class IngressServer:
         self.servers.append(server)
         for sock in server.sockets:
             name = sock.getsockname()
-            where = name if isinstance(name, str) else f"{_bracket(name[0])}:{name[1]}"
+            where = name if isinstance(name, str) else host_port(name[0], name[1])
             self.addresses.append(f"{kind} {where}")
 
     async def _stop(self, ingress: Ingress) -> None:
@@ -214,10 +215,6 @@ def _remove_stale_socket(path: Path) -> None:
             path.unlink()
         else:
             raise ConfigError(f"{path} exists and is not a socket", section="pepsi-ingress")
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 def serve(config: Config, *, verbose: bool = False) -> int:

@@ -97,7 +97,6 @@ class SmtpSession(Authenticating):
             params = envelope.mail_parameters(
                 words if self._extended() else _none(words),
                 max_size=self.ingress.options.max_size,
-                utf8_offered=True,
             )
         except ParameterError as exc:
             await self.push(str(exc.reply))

@@ -1054,7 +1054,7 @@ ON CONFLICT (name) DO NOTHING
 RETURNING name, created, updated;
 
 -- name: mail_user_get
--- The ingress's AUTH: the stored hash of one user (no row: no such user).
+-- The ingress's AUTH: the stored hash of one user (no row: no such user; `mail user passwd` asks first).
 SELECT password_hash FROM pepsi.mail_user WHERE name = %(name)s;
 
 -- name: mail_user_list
