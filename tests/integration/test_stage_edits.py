@@ -164,3 +164,16 @@ def test_a_transactional_stage_s_edits_commit_with_its_outcome(
     make_runner(forward_in_a_transaction).run_batch([wid])
     row = stored(conn, wid)
     assert (row["stage"], row["status"], row["sender"]) == ("b", "pending", "fwd@fwd.example")
+
+
+@stage
+def retry_silently(msg: Message) -> None:
+    msg.properties["smtp"]["ret"] = "HDRS"  # a value inside a property, changed in place
+
+
+def test_a_change_inside_a_property_is_stored(
+    conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    wid = running(conn, properties={"smtp": {"ret": "FULL", "envid": "e1"}})
+    make_runner(retry_silently).run_batch([wid])
+    assert stored(conn, wid)["properties"] == {"smtp": {"ret": "HDRS", "envid": "e1"}}

@@ -11,6 +11,7 @@ chain keeps the edits of the stages before the one that failed.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ COLUMNS = (
 class Snapshot:
     """The metadata and replaced content of a message at one moment."""
 
-    values: tuple[Any, ...]  # COLUMNS' values (properties as a copy)
+    values: tuple[Any, ...]  # COLUMNS' values (properties as a deep copy)
     header: bytes | None
     body: bytes | None
 
@@ -47,9 +48,17 @@ class Edits:
         return self.header is not None or self.body is not None
 
 
+def _current(msg: Message) -> tuple[Any, ...]:
+    """COLUMNS' values as the message holds them now (compared deeply, not copied)."""
+    return tuple(getattr(msg, name) for name in COLUMNS)
+
+
 def snapshot(msg: Message) -> Snapshot:
+    """The message as it is, its properties copied whole: a stage may change a nested
+    value (`msg.properties["smtp"]["ret"] = ...`), and that must show as a change."""
     values = tuple(
-        dict(msg.properties) if name == "properties" else getattr(msg, name) for name in COLUMNS
+        copy.deepcopy(value) if name == "properties" and value else value
+        for name, value in zip(COLUMNS, _current(msg), strict=True)
     )
     return Snapshot(values, msg._new_header, msg._new_body)
 
@@ -57,26 +66,26 @@ def snapshot(msg: Message) -> Snapshot:
 def restore(msg: Message, earlier: Snapshot) -> None:
     """Undo what a stage changed since `earlier` (its outcome is a failure)."""
     for name, value in zip(COLUMNS, earlier.values, strict=True):
-        setattr(msg, name, dict(value) if name == "properties" else value)
+        setattr(msg, name, copy.deepcopy(value) if name == "properties" else value)
     msg._new_header, msg._new_body = earlier.header, earlier.body
 
 
 def changed(msg: Message, loaded: Snapshot) -> bool:
     """Whether the message differs from `loaded` (metadata or content)."""
-    return snapshot(msg) != loaded
+    content = (msg._new_header, msg._new_body)
+    return _current(msg) != loaded.values or content != (loaded.header, loaded.body)
 
 
 def edits(msg: Message, loaded: Snapshot) -> Edits | None:
     """What changed since the row was loaded; None if nothing did."""
-    now = snapshot(msg)
-    if now == loaded:
+    if not changed(msg, loaded):
         return None
     columns = {
         name: list(value) if name == "recipients" else value
-        for name, value, before in zip(COLUMNS, now.values, loaded.values, strict=True)
+        for name, value, before in zip(COLUMNS, _current(msg), loaded.values, strict=True)
         if value != before
     }
-    return Edits(columns, now.header, now.body)
+    return Edits(columns, msg._new_header, msg._new_body)
 
 
 def problem(found: Edits) -> str | None:
