@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.scenarios.conftest import REPO, wait_until
 
@@ -173,3 +175,27 @@ def outside_address() -> str | None:
             if address.family == socket.AF_INET and not address.address.startswith("127."):
                 return str(address.address)
     return None
+
+
+def add_user(server: IngressProcess, name: str, password: str) -> None:
+    """`pepsi mail user add NAME --password-stdin` on the server's database."""
+    subprocess.run(
+        [sys.executable, "-m", "pepsi", "-c", str(server.conf), "mail", "user", "add", name,
+         "--password-stdin"],
+        input=password.encode(), env=server.env(), cwd=REPO, check=True, capture_output=True,
+    )  # fmt: skip
+
+
+def make_certificate(folder: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed certificate for host `name` (its CN and SAN), and its key."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed (scripts/dev.py installs it)")
+    cert, key = folder / f"{name}.pem", folder / f"{name}.key"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+         f"/CN={name}", "-addext", f"subjectAltName=DNS:{name}", "-keyout", str(key),
+         "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert, key

@@ -276,9 +276,15 @@ def test_slow_messages_are_answered_as_they_finish(
         time.sleep(0.15)  # longer than FLUSH_AFTER: the stage's own work, not a wait on a test
 
     ids = [running(conn, body=b"x") for _ in range(3)]
-    chunks = list(make_runner(slow).answers(ids))
-    assert [len(lines(chunk)) for chunk in chunks] == [1, 1, 1]  # metadata only, yet slow
-    assert all(row_of(conn, wid) is not None for wid in ids)
+    answers = make_runner(slow).answers(ids)
+    assert len(lines(next(answers))) == 1  # metadata only, yet slow: the first on its own
+    # ... written before it was answered, while the others wait their turn
+    assert [(row_of(conn, wid) or ("", ""))[:2] for wid in ids] == [
+        ("b", "pending"),
+        ("a", "running"),
+        ("a", "running"),
+    ]
+    assert [len(lines(chunk)) for chunk in answers] == [1, 1]
 
 
 def test_a_metadata_stage_loads_the_body_on_first_access(

@@ -10,7 +10,7 @@ import resource
 import signal
 import smtplib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -21,12 +21,6 @@ from tests.mail_server import IngressProcess, Line, message, queued_id
 from tests.scenarios.conftest import Pipeline, wait_until
 
 
-@pytest.fixture
-def db(dsn: str) -> Iterator[psycopg.Connection[Any]]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        yield conn
-
-
 def send(address: tuple[str, int], subject: str) -> tuple[int, bytes]:
     with smtplib.SMTP(*address, timeout=30) as client:
         client.ehlo("client.test")
@@ -35,13 +29,13 @@ def send(address: tuple[str, int], subject: str) -> tuple[int, bytes]:
         return client.data(message(subject, Message_ID=f"<{subject}@sender.org>"))
 
 
-def copies(db: psycopg.Connection[Any]) -> dict[str, int]:
-    rows = db.execute("SELECT subject, count(*) FROM pepsi.workqueue GROUP BY subject").fetchall()
+def copies(conn: psycopg.Connection[Any]) -> dict[str, int]:
+    rows = conn.execute("SELECT subject, count(*) FROM pepsi.workqueue GROUP BY subject").fetchall()
     return {str(subject): int(n) for subject, n in rows}
 
 
 def test_kill_9_loses_no_message_that_got_250(
-    ingress: Callable[..., IngressProcess], db: psycopg.Connection[Any]
+    ingress: Callable[..., IngressProcess], conn: psycopg.Connection[Any]
 ) -> None:
     server = ingress()
     acked: list[str] = []
@@ -70,7 +64,7 @@ def test_kill_9_loses_no_message_that_got_250(
     server.stop(signal.SIGKILL)
     for thread in threads:
         thread.join(60)
-    stored = copies(db)
+    stored = copies(conn)
     assert len(acked) >= 150
     assert all(stored.get(subject) == 1 for subject in acked), "a 250 lost or doubled"
     # What got no 250 is absent or present once; its client sends it again.
@@ -78,13 +72,13 @@ def test_kill_9_loses_no_message_that_got_250(
     again = ingress(name="again")
     for subject in unacked:
         assert send(again.smtp, subject)[0] == 250
-    stored = copies(db)
+    stored = copies(conn)
     assert all(stored.get(subject) == 1 for subject in acked)
     assert all(stored.get(subject, 0) >= 1 for subject in unacked)
 
 
 def test_the_database_going_away_is_451_and_its_return_needs_no_restart(
-    ingress: Callable[..., IngressProcess], dsn: str, admin_dsn: str, db: psycopg.Connection[Any]
+    ingress: Callable[..., IngressProcess], dsn: str, admin_dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
     server = ingress()
     name = str(conninfo.conninfo_to_dict(dsn)["dbname"])
@@ -117,7 +111,7 @@ def test_the_database_going_away_is_451_and_its_return_needs_no_restart(
         assert transaction(client, "after, same session")[0] == 250
     assert send(server.smtp, "after, new session")[0] == 250
     # a 451 stored nothing; the server was never restarted
-    assert copies(db) == {"before": 1, "after, same session": 1, "after, new session": 1}
+    assert copies(conn) == {"before": 1, "after, same session": 1, "after, new session": 1}
     assert server.alive()
 
 
