@@ -1,4 +1,4 @@
-"""Mail: the SMTP/LMTP ingress (SPEC M-1 to M-3).
+"""Mail: the SMTP/LMTP ingress (SPEC M-1 to M-3) and delivery.
 
 Cut as Postfix cuts its programs, with the decisions apart from the I/O:
 
@@ -14,5 +14,12 @@ Cut as Postfix cuts its programs, with the decisions apart from the I/O:
   aiosmtpd's protocol (the plumbing, AUTH, the mail transaction);
 - `server.py`: `pepsi ingress --serve`, its listeners and its lifetime.
 
-The first five are pure and tested without a socket.
+The first five are pure and tested without a socket. Mail out (SPEC M-4 to
+M-6), for the stages in `pepsi.stages` (relay, dkim, srs, bounce):
+
+- `delivery.py`, `dsn.py`: what each reply makes of a message, and the
+  delivery status notifications (pure);
+- `srs.py`, `dkim.py`: sender rewriting and DKIM signatures;
+- `mx.py`, `outbound.py`, `slots.py`: the next hops, the SMTP client and its
+  connections per destination.
 """

@@ -5,7 +5,7 @@ them for the next message to the same host (as Postfix's connection cache
 does); a connection it finds closed on reuse is opened again once. A
 destination (a recipient domain, or a smarthost) takes at most LIMIT
 connections at once from all the workers of this machine: each open
-connection holds one of LIMIT lock files of its destination (`Slots`).
+connection holds one of LIMIT lock files of its destination (`pepsi.mail.slots`).
 
 TLS: `none`; `starttls` (required, the certificate verified); `implicit`
 (TLS from the first byte, verified); `may` (opportunistic, as Postfix's
@@ -18,23 +18,19 @@ Built on the standard library's smtplib.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
-import hashlib
-import os
 import smtplib
 import socket
 import ssl
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pepsi.db.socketdir import make_private
 from pepsi.mail.delivery import Result
 from pepsi.mail.envelope import xtext_encode
+from pepsi.mail.slots import Slots
 
 IDLE_LIMIT = 30.0  # a cached connection unused this long is closed, not reused
 COMMAND_TIMEOUT = 300.0  # RFC 5321 §4.5.3.2's shortest: a reply must come within
@@ -72,38 +68,6 @@ class Unreachable(Exception):
     def __init__(self, text: str, code: int = 0) -> None:
         super().__init__(text)
         self.code = code  # 0: no reply; a 5xx greeting is still a host problem: temporary
-
-
-class Slots:
-    """At most `limit` connections per destination across this machine's workers.
-
-    A slot is an exclusive lock (flock) on one of `limit` files of the
-    destination; the kernel drops it when the process goes.
-    """
-
-    def __init__(self, limit: int, folder: Path | None = None) -> None:
-        """RuntimeError if the folder exists and is not this user's alone (0700)."""
-        self.limit = limit
-        self.folder = folder or Path(tempfile.gettempdir()) / f"pepsi-relay-{os.getuid()}"
-        # another user's folder could hold every slot: refused, as the socket folder is
-        make_private(self.folder, os.getuid(), os.getgid(), "relay's slot directory")
-
-    def take(self, destination: str) -> int | None:
-        """A held slot (a file descriptor), or None if all `limit` are taken."""
-        digest = hashlib.sha256(destination.lower().encode()).hexdigest()[:24]
-        for slot in range(self.limit):
-            fd = os.open(self.folder / f"{digest}.{slot}", os.O_CREAT | os.O_RDWR, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            return fd
-        return None
-
-    @staticmethod
-    def give_back(fd: int) -> None:
-        os.close(fd)  # closing drops the lock
 
 
 @dataclass

@@ -85,7 +85,7 @@ class RelayOptions:
         )
 
     def check_at_start(self) -> None:
-        from pepsi.mail.outbound import Slots  # noqa: PLC0415  # smtplib, for its workers
+        from pepsi.mail.slots import Slots  # noqa: PLC0415  # a relay's, for its workers
 
         self.secret()
         try:

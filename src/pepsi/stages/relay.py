@@ -18,8 +18,9 @@ from dns.resolver import Resolver
 from pepsi.config import StageConfig
 from pepsi.mail import delivery, mx
 from pepsi.mail.delivery import Result
-from pepsi.mail.outbound import Client, Outgoing, Peer, Slots
+from pepsi.mail.outbound import Client, Outgoing, Peer
 from pepsi.mail.policy import domain_of
+from pepsi.mail.slots import Slots
 from pepsi.stage import Message, Needs, PermanentError, Split, stage
 from pepsi.stages.mail_options import RelayOptions
 
