@@ -36,8 +36,12 @@ RETRIES = "RETRY_DELAY = 1s\nRETRY_MAX_DELAY = 1s\n"
 
 
 @pytest.fixture
-def receiver() -> Iterator[postfix.Postfix]:
-    server = postfix.Postfix(domains=DOMAINS).start()
+def receiver(request: pytest.FixtureRequest) -> Iterator[postfix.Postfix]:
+    """Postfix as shipped (it offers PIPELINING), or without PIPELINING where a test asks
+    (the relay's client then waits for each reply before the next command)."""
+    pipelining = getattr(request, "param", "pipelining") == "pipelining"
+    settings = {} if pipelining else {"smtpd_discard_ehlo_keywords": "pipelining"}
+    server = postfix.Postfix(domains=DOMAINS, settings=settings).start()
     yield server
     server.close()
 
@@ -49,13 +53,15 @@ def smarthost(server: postfix.Postfix, extra: str = "") -> str:
     )
 
 
-def mail(subject: str, *recipients: str, sender: str = "alice@sender.test") -> OutgoingMessage:
+def mail(
+    subject: str, *recipients: str, sender: str = "alice@sender.test", body: bytes = b"Hello.\r\n"
+) -> OutgoingMessage:
     header = (
         f"From: Alice <{sender}>\r\nTo: {', '.join(recipients)}\r\nSubject: {subject}\r\n"
         f"Message-ID: <{subject}@sender.test>\r\n"
     ).encode()
     return OutgoingMessage(
-        "relay", b"Hello.\r\n", header, sender=sender, recipients=tuple(recipients),
+        "relay", body, header, sender=sender, recipients=tuple(recipients),
         subject=subject,
     )  # fmt: skip
 
@@ -86,23 +92,34 @@ def reported(report: bytes) -> list[str]:
     ]
 
 
+DOTTED = b"Hello.\r\n.a line that starts with a dot\r\n.\r\n..two\r\nlast line, no end"
+
+
+@pytest.mark.parametrize("receiver", ["pipelining", "one command at a time"], indirect=True)
 def test_accepted_deferred_and_refused_recipients_each_end_their_own_way(
     pipeline: Pipeline, receiver: postfix.Postfix
 ) -> None:
     receiver.access({
         "defer@example.test": "450 4.2.0 try later",
         "bad@example.test": "550 5.1.1 no such user here",
+        "worse@example.test": "550 5.1.1 nobody here either",
     })  # fmt: skip
     pipeline.configure(smarthost(receiver))
     pipeline.start()
-    publish(pipeline, [mail("three", "ok@example.test", "defer@example.test", "bad@example.test")])
-    wait_until(lambda: receiver.mailbox("ok@example.test"), what="the accepted delivery")
+    three = mail("three", "ok@example.test", "defer@example.test", "bad@example.test", body=DOTTED)
+    refused = mail("none", "bad@example.test", "worse@example.test", sender="carol@sender.test")
+    publish(pipeline, [three, refused])
+    (delivered,) = wait_until(lambda: receiver.mailbox("ok@example.test"), what="the delivery")
+    # the dots as they were (stuffed on the wire), the last line ended; a Maildir has LF
+    assert parse(delivered).get_payload(decode=True) == DOTTED.replace(b"\r\n", b"\n") + b"\n"
     (bounce,) = wait_until(lambda: receiver.mailbox("alice@sender.test"), what="the report")
     dsn = parse(bounce)
     assert dsn["Return-Path"] == "<>"  # from the null sender
     assert dsn.get_content_type() == "multipart/report"
     assert reported(bounce) == ["bad@example.test"]  # only the refused recipient
     assert b"no such user here" not in bounce  # the reason is generic
+    (both,) = wait_until(lambda: receiver.mailbox("carol@sender.test"), what="carol's report")
+    assert sorted(reported(both)) == ["bad@example.test", "worse@example.test"]
     assert pipeline.scalar(
         "SELECT state->>'temporary_failures' FROM pepsi.workqueue"
         " WHERE recipients = '{defer@example.test}'"
@@ -113,6 +130,7 @@ def test_accepted_deferred_and_refused_recipients_each_end_their_own_way(
     assert len(receiver.mailbox("ok@example.test")) == 1  # exactly once: not sent again
     assert len(receiver.mailbox("defer@example.test")) == 1
     assert len(receiver.mailbox("alice@sender.test")) == 1
+    assert len(receiver.mailbox("carol@sender.test")) == 1
     assert len(receiver.mailbox("bad@example.test")) == 0
 
 
