@@ -43,6 +43,7 @@ import threading
 import time
 import urllib.request
 from datetime import UTC, datetime
+from http.cookiejar import CookieJar
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from common import scratch_database
 
 from pepsi.config import load_config
 from pepsi.publishing import OutgoingMessage, Publisher
+from pepsi.web import tokens
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -83,9 +85,13 @@ def wait_for(what: str, predicate: Any, timeout: float) -> None:
 class Client(threading.Thread):
     """Fetches the overview fragment every LIVE_EVERY s and the stage page every STAGE_EVERY s."""
 
-    def __init__(self, base: str, live_every: float, stage_every: float) -> None:
+    def __init__(self, link: str, live_every: float, stage_every: float) -> None:
+        """`link`: the console's link with its token (no PASSWORD here), opened first."""
         super().__init__(daemon=True)
-        self.base = base
+        self.base = link.split("/?", 1)[0]
+        self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(CookieJar()))
+        with self.opener.open(link, timeout=10) as response:  # the token for a session
+            response.read()
         self.live_every = live_every
         self.stage_every = stage_every
         self.halt = threading.Event()
@@ -95,7 +101,7 @@ class Client(threading.Thread):
     def fetch(self, path: str) -> None:
         started = time.perf_counter()
         try:
-            with urllib.request.urlopen(self.base + path, timeout=10) as response:  # noqa: S310
+            with self.opener.open(self.base + path, timeout=10) as response:
                 response.read()
                 if response.status != 200:
                     self.errors.append(f"{path}: HTTP {response.status}")
@@ -143,7 +149,9 @@ class Bench:
         return not (row and row[0])
 
     def start(self, conf: Path, log: Path) -> subprocess.Popen[bytes]:
+        # its console's token file in a folder of this run's (pepsi.web.tokens)
         env = {**os.environ, "PEPSI_DSN": self.dsn, "PYTHONPATH": str(BENCH)}
+        env["XDG_DATA_HOME"] = str(self.tmp / "xdg")
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pepsi", "-c", str(conf), "dispatch", "serve"],
@@ -188,7 +196,8 @@ class Bench:
                 publisher.publish_many([OutgoingMessage("s1")] * WARM)
                 wait_for("the warm-up to drain", self.empty, 60)
                 if mode == "open":
-                    client = Client(f"http://127.0.0.1:{port}", self.live_every, self.stage_every)
+                    (console,) = tokens.running(self.tmp / "xdg" / "pepsi" / "web")
+                    client = Client(console.link, self.live_every, self.stage_every)
                     client.start()
                 dispatcher = psutil.Process(proc.pid)
                 cpu_before = sum(dispatcher.cpu_times()[:2])

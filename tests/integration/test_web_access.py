@@ -1,11 +1,20 @@
 """The console refuses what it must (issue 17): an unauthenticated request, a cross-site
 POST, a POST without its form token, a wrong password, and a console exposed beyond
-this machine without a password. A real server on an ephemeral port, the test database."""
+this machine without a password, and without one, anybody without the token. A real
+server on an ephemeral port, the test database."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import stat
+import subprocess
+import sys
+import urllib.request
 from collections.abc import Awaitable, Callable
+from http.cookiejar import CookieJar
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -83,16 +92,101 @@ def test_every_page_needs_a_login_and_a_cross_site_post_is_refused(dsn: str) -> 
     run(cfg, dsn, scenario)
 
 
-def test_without_a_password_the_console_is_read_only_and_for_this_machine(dsn: str) -> None:
-    async def scenario(http: aiohttp.ClientSession, base: str) -> None:
-        async with http.get(f"{base}/") as page:
-            assert page.status == 200
-            assert "read-only" in await page.text()
+def test_without_a_password_nobody_gets_in_without_the_token(dsn: str) -> None:
+    async def main() -> None:
+        running = await server.start(config(), dsn, ("127.0.0.1", 0))
+        base = running.url.rstrip("/")
+        assert running.token is not None
+        assert running.link == f"{base}/?token={running.token}"
+        try:
+            jar = aiohttp.CookieJar(unsafe=True)
+            async with aiohttp.ClientSession(cookie_jar=jar) as http:
+                for path in ("/", "/stages", "/message/1", "/overview/live"):
+                    async with http.get(base + path, allow_redirects=False) as anonymous:
+                        assert anonymous.status == 303, path  # from loopback too
+                        assert anonymous.headers["Location"].startswith("/login")
+                async with http.post(f"{base}/logout", headers={"Origin": base}) as post:
+                    assert post.status == 401
+                async with http.get(f"{base}/login") as login:
+                    assert 'name="token"' in await login.text()  # a token, not a password
+                async with http.get(f"{base}/stages?token=wrong", allow_redirects=False) as bad:
+                    assert bad.status == 401
+                    assert "pepsi_session" not in bad.cookies
+                form = {"token": "wrong", "next": "/"}
+                async with http.post(f"{base}/login", data=form, headers={"Origin": base}) as bad:
+                    assert bad.status == 401
+                async with http.get(base + "/", allow_redirects=False) as still:
+                    assert still.status == 303
+                # the link: a session, and the page again without the token in its address
+                link = f"{base}/stages?token={running.token}&x=1"
+                async with http.get(link, allow_redirects=False) as exchanged:
+                    assert exchanged.status == 303
+                    assert exchanged.headers["Location"] == "/stages?x=1"
+                    assert exchanged.cookies["pepsi_session"]["httponly"]
+                async with http.get(f"{base}/") as page:
+                    assert page.status == 200
+                    text = await page.text()
+                    assert "read-only" in text
+                    assert running.token not in text
+                    assert page.headers["Referrer-Policy"] == "same-origin"
+            async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+                form = {"token": running.token, "next": "/stages"}  # pasted into the form
+                async with http.post(
+                    f"{base}/login", data=form, headers={"Origin": base}, allow_redirects=False
+                ) as pasted:
+                    assert pasted.status == 303
+                    assert pasted.headers["Location"] == "/stages"
+                async with http.get(f"{base}/stages") as page:
+                    assert page.status == 200
+        finally:
+            await running.stop()
 
-    run(config(), dsn, scenario)
+    asyncio.run(main())
     with pytest.raises(ConfigError, match="needs a password"):
         server.check_exposure(config(), "0.0.0.0")
     server.check_exposure(config(f"PASSWORD = {HASH}\n"), "0.0.0.0")  # with one it may
+
+
+def test_pepsi_web_prints_its_link_and_pepsi_web_url_prints_it_again(
+    dsn: str, tmp_path: Path
+) -> None:
+    conf = tmp_path / "pepsi.conf"
+    conf.write_text("[stage-a]\nHANDLER = tests.stages:noop\n")
+    env = {**os.environ, "PEPSI_DSN": dsn, "XDG_DATA_HOME": str(tmp_path / "xdg")}
+    pepsi = [sys.executable, "-m", "pepsi", "-c", str(conf)]
+    web = subprocess.Popen(
+        [*pepsi, "web", "--listen", "127.0.0.1:0"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert web.stdout is not None
+        printed = web.stdout.readline().strip()
+        assert printed.startswith("Pepsi console at http://127.0.0.1:")
+        link = printed.rsplit(" ", 1)[1]
+        assert "?token=" in link
+        again = subprocess.run(
+            [*pepsi, "web", "url"], env=env, capture_output=True, text=True, check=True
+        )
+        assert again.stdout.split() == [link, "(pepsi", "web,", "pid", f"{web.pid})"]
+        folder = tmp_path / "xdg" / "pepsi" / "web"
+        (token_file,) = folder.iterdir()
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        with urllib.request.build_opener(urllib.request.HTTPCookieProcessor(CookieJar())).open(
+            link, timeout=10
+        ) as page:
+            assert page.status == 200  # after the exchange for a session
+            assert page.url == link.split("?")[0]
+    finally:
+        web.send_signal(signal.SIGINT)
+        web.wait(30)
+        if web.stdout is not None:
+            web.stdout.close()
+    assert list(folder.iterdir()) == []  # its file went with it
+    gone = subprocess.run(
+        [*pepsi, "web", "url"], env=env, capture_output=True, text=True, check=False
+    )
+    assert gone.returncode == 1
+    assert gone.stderr.count("\n") == 1
+    assert "no console" in gone.stderr
 
 
 def test_a_password_in_clear_is_refused_in_the_configuration() -> None:

@@ -40,7 +40,10 @@ def run(cfg: Config, dsn: str, scenario: Scenario) -> Any:
     async def main() -> Any:
         running = await server.start(cfg, dsn, ("127.0.0.1", 0))
         try:
-            async with aiohttp.ClientSession() as http:
+            async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+                # no PASSWORD: the token's link, exchanged for a session
+                async with http.get(running.link, allow_redirects=False) as exchanged:
+                    assert exchanged.status == 303
                 return await scenario(http, running.url.rstrip("/"), running)
         finally:
             await running.stop()

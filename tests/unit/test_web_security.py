@@ -1,10 +1,16 @@
-"""The console's access rules, sessions and CSRF checks (pure)."""
+"""The console's access rules, sessions and CSRF checks (pure), and its token's file."""
 
 from __future__ import annotations
 
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from pepsi.web import security
+from pepsi.web import security, tokens
 
 
 class Clock:
@@ -81,7 +87,31 @@ def test_access_rules() -> None:
     assert (logged_in.allowed, logged_in.can_repair, logged_in.user) == (True, True, "admin")
     read_only = security.access(password_set=True, read_only=True, session=session, peer="x")
     assert (read_only.allowed, read_only.can_repair) == (True, False)
-    local = security.access(password_set=False, read_only=False, session=None, peer="127.0.0.1")
-    assert (local.allowed, local.can_repair) == (True, False)  # no password: look, no repairs
-    remote = security.access(password_set=False, read_only=False, session=None, peer="10.1.2.3")
-    assert remote.allowed is False
+    # no password: nobody without the token's session, and then to look only
+    anonymous = security.access(password_set=False, read_only=False, session=None, peer="::1")
+    assert (anonymous.allowed, anonymous.needs_login) == (False, True)
+    local = security.access(password_set=False, read_only=False, session=session, peer="::1")
+    assert (local.allowed, local.can_repair) == (True, False)
+    remote = security.access(password_set=False, read_only=False, session=session, peer="10.1.2.3")
+    assert (remote.allowed, remote.needs_login) == (False, False)  # this machine only
+
+
+def test_a_token_must_be_the_consoles_own() -> None:
+    assert security.token_ok("abc", "abc")
+    assert not security.token_ok("abc", "abd")
+    assert not security.token_ok("abc", None)
+    assert not security.token_ok(None, "abc")  # a console with a password has no token
+
+
+def test_a_consoles_token_file_is_its_owners_and_goes_with_its_process(tmp_path: Path) -> None:
+    folder = tmp_path / "web"
+    mine = tokens.Console(os.getpid(), "http://127.0.0.1:8080/?token=t1", "pepsi web")
+    path = tokens.publish(mine, 8080, folder)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid no process has now
+    tokens.publish(tokens.Console(gone.pid, "http://127.0.0.1:9/?token=t2", "x"), 9, folder)
+    assert tokens.running(folder) == [mine]
+    assert [p.name for p in folder.iterdir()] == [path.name]  # the dead one's file went
+    assert tokens.link("http://h:1/", "a/b") == "http://h:1/?token=a%2Fb"

@@ -1,11 +1,14 @@
 """`pepsi web`: the web console (docs/web.md).
 
     pepsi web [--listen HOST:PORT]        serve it (default 127.0.0.1:8080) until Ctrl-C
+    pepsi web url                         print the link (with its token) of running consoles
     pepsi web password [--password-stdin] print the hash for [pepsi-web] PASSWORD
 
-Without a PASSWORD the console serves only this machine and repairs nothing;
-listening on another address then refuses to start. With one, every page asks
-for a login, and repairs are allowed unless READ_ONLY = yes.
+Without a PASSWORD the console serves only this machine, repairs nothing, and
+lets in whoever opens the link it prints: a token drawn at each start, kept in
+a file only you can read (`pepsi web url` prints it again). Listening on
+another address then refuses to start. With a PASSWORD, every page asks for a
+login, and repairs are allowed unless READ_ONLY = yes.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 
 from pepsi.amqp.passwords import hash_password
 from pepsi.commands import Context, summary
 from pepsi.commands.passwords import read_password
 from pepsi.config import values
-from pepsi.errors import EX_OK, ConfigError, UsageError
+from pepsi.errors import EX_ERROR, EX_OK, ConfigError, UsageError
 
 log = logging.getLogger("pepsi.web")
 DEFAULT_LISTEN = "127.0.0.1:8080"
@@ -47,6 +51,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--password-stdin", action="store_true", help="read the password from standard input"
     )
     password.set_defaults(handler=run_password)
+    url = actions.add_parser(
+        "url", help="print the link, with its token, of each console running as you"
+    )
+    url.set_defaults(handler=run_url)
 
 
 def run_password(args: argparse.Namespace, ctx: Context) -> int:
@@ -54,6 +62,22 @@ def run_password(args: argparse.Namespace, ctx: Context) -> int:
     if not secret:
         raise UsageError("the password is empty")
     print(hash_password(secret))
+    return EX_OK
+
+
+def run_url(args: argparse.Namespace, ctx: Context) -> int:
+    from pepsi.web import tokens  # noqa: PLC0415
+
+    consoles = tokens.running()
+    if not consoles:
+        print(
+            f"no console without a password runs as this user ({tokens.folder()} lists none); "
+            "start one with `pepsi web`, or [pepsi-web] LISTEN for the dispatcher's",
+            file=sys.stderr,
+        )
+        return EX_ERROR
+    for console in consoles:
+        print(f"{console.link}  ({console.by}, pid {console.pid})")
     return EX_OK
 
 
@@ -78,12 +102,12 @@ def run_web(args: argparse.Namespace, ctx: Context) -> int:
 
     async def serve() -> None:
         try:
-            running = await server.start(config, dsn, address)
+            running = await server.start(config, dsn, address, publish_as="pepsi web")
         except OSError as exc:
             raise UsageError(
                 f"cannot listen on {address[0]}:{address[1]}: {exc.strerror}"
             ) from None
-        print(f"Pepsi console at {running.url}", flush=True)
+        print(f"Pepsi console at {running.link}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):

@@ -262,14 +262,19 @@ class Dispatcher:
         from pepsi.web import server  # noqa: PLC0415  # aiohttp only when serving
 
         try:
-            running = await server.start(self.config, self.dsn, address, dispatcher=self)
+            running = await server.start(
+                self.config, self.dsn, address, dispatcher=self, publish_as="pepsi dispatch"
+            )
         except OSError as exc:
             raise ConfigError(
                 f"cannot listen on {address[0]}:{address[1]}: {exc.strerror or exc}",
                 section="pepsi-web",
                 key="LISTEN",
             ) from None
-        log.info("web console at %s", running.url)
+        if running.token is None:
+            log.info("web console at %s", running.url)
+        else:  # the token stays out of the log: its file is the owner's only
+            log.info("web console at %s (`pepsi web url` prints its link)", running.url)
         return running
 
     def _metrics_snapshot(self) -> Snapshot:

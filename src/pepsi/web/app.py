@@ -24,7 +24,7 @@ from psycopg_pool import ConnectionPool
 
 from pepsi.amqp.passwords import verify
 from pepsi.config import Config
-from pepsi.web import security
+from pepsi.web import security, tokens
 
 log = logging.getLogger("pepsi.web")
 
@@ -44,6 +44,7 @@ class Console:
     sessions: security.Sessions
     templates: jinja2.Environment
     dispatcher: Any = None  # the dispatcher serving this console, when it does
+    token: str | None = None  # without PASSWORD: what a session is exchanged for
 
     @property
     def read_only(self) -> bool:
@@ -103,6 +104,9 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         peer=request.remote,
     )
     request[ACCESS] = allowed
+    from_here = allowed.allowed or allowed.needs_login  # without a password: loopback
+    if tokens.QUERY in request.query and console.config.web.password is None and from_here:
+        return _exchange_token(console, request)
     public = request.path in ("/login",) or request.path.startswith("/static/")
     if not public and not allowed.allowed:
         if allowed.needs_login:
@@ -139,33 +143,37 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     return response
 
 
-async def login_page(request: web.Request) -> web.StreamResponse:
-    console = console_of(request)
-    if console.config.web.password is None:
-        raise web.HTTPSeeOther("/")
-    return console.render(request, "login.html", next=request.query.get("next", "/"), error=None)
+def _exchange_token(console: Console, request: web.Request) -> web.StreamResponse:
+    """`?token=`: a session for the right token, and the same page without it (so that it
+    stays out of the history and of any Referer); 401 for a wrong one."""
+    if not security.token_ok(console.token, request.query.get(tokens.QUERY)):
+        log.warning("web: wrong console token from %s", request.remote)
+        return _login_form(console, request, request.path, "wrong or stale token", 401)
+    query = {k: v for k, v in request.query.items() if k != tokens.QUERY}
+    target = request.rel_url.with_query(query) if query else request.rel_url.with_query(None)
+    log.info("web: token login from %s", request.remote)
+    return _logged_in(console, request, str(target), "local")
 
 
-async def login(request: web.Request) -> web.StreamResponse:
-    console = console_of(request)
-    stored = console.config.web.password
-    form = await request.post()
-    password = form.get("password")
-    target = str(form.get("next") or "/")
-    if not target.startswith("/") or target.startswith("//"):
-        target = "/"  # never an open redirect
-    if stored is None:
-        raise web.HTTPSeeOther("/")
-    ok = isinstance(password, str) and await asyncio.to_thread(verify, password, stored)
-    if not ok:
-        log.warning("web: failed login from %s", request.remote)
-        request[ACCESS] = security.Access(False, True, False, None)
-        response = console.render(request, "login.html", next=target, error="wrong password")
-        response.set_status(401)
-        return response
-    _, cookie = console.sessions.new()
-    log.info("web: login from %s", request.remote)
-    response = web.HTTPSeeOther(target)
+def _login_form(
+    console: Console, request: web.Request, target: str, error: str | None, status: int = 200
+) -> web.Response:
+    request[ACCESS] = security.Access(False, True, False, None)
+    response = console.render(
+        request,
+        "login.html",
+        next=target,
+        error=error,
+        with_token=console.config.web.password is None,
+    )
+    response.set_status(status)
+    return response
+
+
+def _logged_in(console: Console, request: web.Request, target: str, user: str) -> web.Response:
+    """A new session's cookie, and on to `target`."""
+    _, cookie = console.sessions.new(user)
+    response = web.Response(status=303, headers={"Location": target})
     response.set_cookie(
         security.COOKIE,
         cookie,
@@ -175,16 +183,44 @@ async def login(request: web.Request) -> web.StreamResponse:
         secure=request.secure,
         path="/",
     )
-    raise response
+    return response
+
+
+async def login_page(request: web.Request) -> web.StreamResponse:
+    return _login_form(console_of(request), request, request.query.get("next", "/"), None)
+
+
+async def login(request: web.Request) -> web.StreamResponse:
+    console = console_of(request)
+    stored = console.config.web.password
+    form = await request.post()
+    target = str(form.get("next") or "/")
+    if not target.startswith("/") or target.startswith("//"):
+        target = "/"  # never an open redirect
+    if stored is None:  # the token, pasted
+        if not security.token_ok(console.token, form.get(tokens.QUERY)):
+            log.warning("web: wrong console token from %s", request.remote)
+            return _login_form(console, request, target, "wrong or stale token", 401)
+        log.info("web: token login from %s", request.remote)
+        return _logged_in(console, request, target, "local")
+    password = form.get("password")
+    ok = isinstance(password, str) and await asyncio.to_thread(verify, password, stored)
+    if not ok:
+        log.warning("web: failed login from %s", request.remote)
+        return _login_form(console, request, target, "wrong password", 401)
+    log.info("web: login from %s", request.remote)
+    return _logged_in(console, request, target, "admin")
 
 
 async def logout(request: web.Request) -> web.StreamResponse:
-    response = web.HTTPSeeOther("/login" if console_of(request).config.web.password else "/")
+    response = web.HTTPSeeOther("/login")
     response.del_cookie(security.COOKIE, path="/")
     raise response
 
 
-def make_app(config: Config, dsn: str, *, dispatcher: Any = None) -> web.Application:
+def make_app(
+    config: Config, dsn: str, *, dispatcher: Any = None, token: str | None = None
+) -> web.Application:
     """The console; its pool opens with the app and closes with it."""
     pool: ConnectionPool[Any] = ConnectionPool(
         dsn,
@@ -205,6 +241,7 @@ def make_app(config: Config, dsn: str, *, dispatcher: Any = None) -> web.Applica
         security.Sessions(config.web.session_ttl, time.time),
         templates,
         dispatcher,
+        token,
     )
     app = web.Application(middlewares=[guard], client_max_size=1024 * 1024)
     app[CONSOLE] = console

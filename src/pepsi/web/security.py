@@ -7,8 +7,9 @@
 - **CSRF**: every form that changes something carries the session's token, and a
   POST must also come from the console's own origin (`Origin`, else `Referer`).
   With the cookie's SameSite=Strict that makes three independent checks.
-- **Access**: with a password configured, every page needs a session; without
-  one, the console serves only loopback clients and repairs nothing.
+- **Access**: every page needs a session. With a password configured, a login
+  makes one; without, the console's token does (`pepsi.web.tokens`), the console
+  serves only loopback clients, and it repairs nothing.
 """
 
 from __future__ import annotations
@@ -116,10 +117,17 @@ class Access:
 def access(
     *, password_set: bool, read_only: bool, session: Session | None, peer: str | None
 ) -> Access:
-    if password_set:
-        if session is None:
-            return Access(False, True, False, None)
-        return Access(True, False, not read_only, session.user)
-    if not is_loopback(peer):  # no password: this machine only
+    if not password_set and not is_loopback(peer):  # no password: this machine only
         return Access(False, False, False, None)
-    return Access(True, False, False, None)  # and read-only: repairs need a login
+    if session is None:  # a login, or without a password the token
+        return Access(False, True, False, None)
+    # without a password, a token's session only looks: repairs need a login
+    return Access(True, False, password_set and not read_only, session.user)
+
+
+def token_ok(expected: str | None, given: object) -> bool:
+    return (
+        expected is not None
+        and isinstance(given, str)
+        and hmac.compare_digest(expected.encode(), given.encode())
+    )

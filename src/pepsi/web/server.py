@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from pepsi.config import Config
-from pepsi.errors import ConfigError
+from pepsi.errors import ConfigError, PepsiError
+from pepsi.web import tokens
 from pepsi.web.app import make_app
 from pepsi.web.security import is_loopback
 
@@ -17,13 +21,23 @@ from pepsi.web.security import is_loopback
 class Running:
     runner: web.AppRunner
     address: tuple[str, int]
+    token: str | None = None  # without PASSWORD: what logs in (pepsi.web.tokens)
+    published: Path | None = None  # the token's file, removed at stop
 
     @property
     def url(self) -> str:
         host, port = self.address
         return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
 
+    @property
+    def link(self) -> str:
+        """What to open: the URL, with the token when there is one. Not for logs."""
+        return tokens.link(self.url, self.token) if self.token else self.url
+
     async def stop(self) -> None:
+        if self.published is not None:
+            with contextlib.suppress(OSError):
+                self.published.unlink()
         await self.runner.cleanup()
 
 
@@ -39,12 +53,21 @@ def check_exposure(config: Config, host: str, *, key: str = "LISTEN") -> None:
 
 
 async def start(
-    config: Config, dsn: str, address: tuple[str, int], *, dispatcher: Any = None
+    config: Config,
+    dsn: str,
+    address: tuple[str, int],
+    *,
+    dispatcher: Any = None,
+    publish_as: str | None = None,
 ) -> Running:
-    """The console listening on `address` (port 0: a free one); OSError if it cannot bind."""
+    """The console listening on `address` (port 0: a free one); OSError if it cannot bind.
+    Without PASSWORD it draws a token; `publish_as` (`pepsi web` …) writes it where
+    `pepsi web url` finds it."""
     host, port = address
     check_exposure(config, host)
-    runner = web.AppRunner(make_app(config, dsn, dispatcher=dispatcher), access_log=None)
+    token = tokens.new_token() if config.web.password is None else None
+    app = make_app(config, dsn, dispatcher=dispatcher, token=token)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     try:
@@ -55,4 +78,14 @@ async def start(
     server = site._server
     sockets = getattr(server, "sockets", None) or []
     bound = sockets[0].getsockname() if sockets else (host, port)
-    return Running(runner, (str(bound[0]), int(bound[1])))
+    running = Running(runner, (str(bound[0]), int(bound[1])), token)
+    if token is not None and publish_as is not None:
+        try:
+            console = tokens.Console(os.getpid(), running.link, publish_as)
+            running.published = tokens.publish(console, running.address[1])
+        except (OSError, RuntimeError) as exc:
+            await runner.cleanup()
+            raise PepsiError(
+                f"cannot keep the console's token in {tokens.folder()}: {exc}"
+            ) from None
+    return running
