@@ -198,6 +198,31 @@ def test_one_flush_writes_the_deltas_and_an_empty_one_writes_nothing(dsn: str, c
     assert (processed, claims) == (3, 1)
 
 
+def test_a_flush_counts_its_minute_for_the_chart_and_forgets_past_a_day(
+    dsn: str, conn: Conn
+) -> None:
+    conn.execute(
+        "INSERT INTO pepsi.stage_stats_minute VALUES"
+        " (date_trunc('minute', now()) - interval '2 hours', 's', 7, 0),"
+        " (date_trunc('minute', now()) - interval '25 hours', 's', 9, 9)"
+    )
+    stats = Stats()
+    flusher = StatsFlusher(stats, 60.0, datetime.now(UTC), time.monotonic)
+    for processed, failed in ((3, 1), (2, 0)):  # two flushes in (most likely) one minute
+        stats.stage("s", "processed", processed)
+        stats.stage("s", "failed", failed)
+        stats.stage("quiet", "strikes", 1)  # nothing processed or failed: no minute row
+        run(dsn, flusher.run_once)
+    rows = conn.execute(
+        "SELECT stage, processed, failed, now() - minute < interval '3 hours'"
+        " FROM pepsi.stage_stats_minute ORDER BY minute"
+    ).fetchall()
+    assert rows[0] == ("s", 7, 0, True)  # two hours ago: kept; a day and more: gone
+    assert sum(r[1] for r in rows[1:]) == 5
+    assert sum(r[2] for r in rows[1:]) == 1
+    assert {r[0] for r in rows} == {"s"}
+
+
 def test_the_strike_limit_ends_a_message(dsn: str, conn: Conn) -> None:
     (wid,) = insert(conn, "s", ["x"], "running")
     rows = RowWriter(DispatchOptions(strike_delay=0.001))

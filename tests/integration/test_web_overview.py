@@ -20,8 +20,7 @@ from pepsi.dispatch.live import CHANNEL, payloads
 from pepsi.dispatch.metrics import Gauges, Snapshot
 from pepsi.dispatch.stats import Counts
 from pepsi.web import server
-from pepsi.web.app import CONSOLE
-from pepsi.web.overview_data import OVERVIEW, sample_stats
+from pepsi.web.overview_data import OVERVIEW
 
 STAGES = (
     "[stage-a]\nHANDLER = tests.stages:noop\nNEXT = b\n"
@@ -86,8 +85,6 @@ def test_the_overview_shows_counts_graph_oldest_pending_and_chart(dsn: str) -> N
 
         async def scenario(http: aiohttp.ClientSession, base: str, running: Any) -> None:
             state = running.runner.app[OVERVIEW]
-            console = running.runner.app[CONSOLE]
-            await sample_stats(state, console)  # the counters as they were: the baseline
             page = await get(http, f"{base}/")
             assert 'data-live="/overview/live"' in page
             assert (cell(page, "pending-a"), cell(page, "failed-a")) == ("5", "1")
@@ -120,17 +117,21 @@ def test_the_overview_shows_counts_graph_oldest_pending_and_chart(dsn: str) -> N
                 ("next", "b", "amqp:/:done"),
             ]
             assert "5 pend · 0 run · 1 fail" in svg  # a's backlog on its node
-            # the chart: what the dispatcher flushed since the baseline, in this minute
+            # the chart: the day's minutes the dispatcher's flushes wrote (this console saw
+            # none of them happen), in this quarter, three hours ago, and too long ago
             conn.execute(
-                "UPDATE pepsi.stage_stats SET processed = processed + 10,"
-                " failed = failed + CASE stage WHEN 'a' THEN 2 ELSE 0 END, updated = now()"
+                "INSERT INTO pepsi.stage_stats_minute VALUES"
+                " (date_trunc('minute', now()), 'a', 10, 2),"
+                " (date_trunc('minute', now()), 'b', 10, 0),"
+                " (date_trunc('minute', now()) - interval '3 hours', 'b', 5, 0),"
+                " (date_trunc('minute', now()) - interval '2 days', 'b', 100, 0)"
             )
-            state.cached = None  # the next request reads again (no second-long cache)
+            state.cached, state.chart = None, None  # read again (no cache, no CHART_EVERY)
             page = await get(http, f"{base}/overview/live")
             assert "<html" not in page
             assert 'id="stage-table"' in page
-            assert (cell(page, "chart-processed"), cell(page, "chart-failed")) == ("20", "2")
-            assert page.count('class="bar-processed"') == 1
+            assert (cell(page, "chart-processed"), cell(page, "chart-failed")) == ("25", "2")
+            assert page.count('class="bar-processed"') == 2
             assert page.count('class="bar-failed"') == 1
             assert "a: 10 processed, 2 failed" in page
             assert "b: 10 processed, 0 failed" in page

@@ -1,4 +1,4 @@
-"""The console's stage graph (layers, edges, SVG) and the last hour's chart (pure)."""
+"""The console's stage graph (layers, edges, SVG) and the last day's chart (pure)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from pepsi.config import Config
 from pepsi.config.parse import parse_config, parse_ini
 from pepsi.web import graph
-from pepsi.web.overview_data import MinuteHistory
+from pepsi.web.overview_data import chart_bars
 
 
 def config(text: str) -> Config:
@@ -97,26 +97,24 @@ def test_the_svg_escapes_names_and_links_each_node() -> None:
     assert graph.render_graph(graph.layout(config("")), {}).startswith("<p")
 
 
-def test_the_history_counts_increases_in_the_minute_they_were_flushed() -> None:
-    t0 = datetime(2026, 1, 1, 12, 0, 30, tzinfo=UTC)
-    history = MinuteHistory()
-    history.observe([("a", 100, 5, t0)], t0)  # the first read: where counting starts
-    assert sum(m.processed for m in history.series(t0)) == 0
-    t1 = t0 + timedelta(minutes=2)
-    history.observe([("a", 110, 7, t1 - timedelta(seconds=40)), ("b", 3, 0, t1)], t1)
-    minutes = history.series(t1)
-    assert len(minutes) == 60
-    assert minutes[-1].label == "12:02"
-    assert (minutes[-2].processed, minutes[-2].failed) == (10, 2)  # flushed at 12:01:50
-    assert minutes[-2].by_stage == {"a": (10, 2)}
-    history.observe([("a", 1, 0, t1)], t1)  # reset: starts again, counts nothing
-    history.observe([("a", 4, 1, t1)], t1)
-    assert history.series(t1)[-1].by_stage == {"a": (3, 1)}
-    later = t1 + timedelta(minutes=61)
-    history.observe([], later)
-    assert sum(m.processed for m in history.series(later)) == 0  # an hour on: gone
-    chart = graph.render_chart(minutes)
-    assert chart.count('class="bar-processed"') == 1
+def test_the_chart_has_the_last_days_quarters_up_to_nows() -> None:
+    now = datetime(2026, 1, 1, 12, 7, 30, tzinfo=UTC)
+    quarter = datetime(2026, 1, 1, 11, 45, tzinfo=UTC)
+    rows = [
+        (quarter, "a", 10, 2),
+        (quarter, "b", 5, 0),
+        (now.replace(minute=0, second=0), "a", 1, 0),  # this quarter: the last bar
+        (now - timedelta(days=2), "a", 99, 99),  # before the day: not drawn
+    ]
+    bars = chart_bars(rows, now)
+    assert len(bars) == 96
+    assert (bars[0].label, bars[-2].label, bars[-1].label) == ("12:15", "11:45", "12:00")
+    assert (bars[-2].processed, bars[-2].failed) == (15, 2)
+    assert bars[-2].by_stage == {"a": (10, 2), "b": (5, 0)}
+    assert bars[-1].processed == 1
+    assert sum(b.processed for b in bars) == 16
+    chart = graph.render_chart(bars)
+    assert chart.count('class="bar-processed"') == 2
     assert chart.count('class="bar-failed"') == 1
-    assert "12:01: 10 processed, 2 failed" in chart
+    assert "11:45: 15 processed, 2 failed" in chart
     assert "a: 10 processed, 2 failed" in chart

@@ -388,8 +388,21 @@ WHERE (cardinality(%(ids)s::bigint[]) = 0 OR workqueue_id = ANY(%(ids)s::bigint[
 ORDER BY workqueue_id;
 
 -- name: stats_flush
--- P-9: every counter delta in one statement (one transaction).
-WITH stage_delta AS (
+-- P-9: every counter delta in one statement (one transaction); the chart's minutes too,
+-- and the minutes older than a day go.
+WITH stage_minute AS (
+    INSERT INTO pepsi.stage_stats_minute AS m (minute, stage, processed, failed)
+    SELECT date_trunc('minute', now()), stage, processed, failed
+    FROM unnest(%(stages)s::text[], %(processed)s::bigint[], %(failed)s::bigint[])
+         AS d (stage, processed, failed)
+    WHERE processed > 0 OR failed > 0
+    ON CONFLICT (minute, stage) DO UPDATE
+    SET processed = m.processed + EXCLUDED.processed, failed = m.failed + EXCLUDED.failed
+    RETURNING 1
+), old_minutes AS (
+    DELETE FROM pepsi.stage_stats_minute WHERE minute < now() - interval '1 day'
+    RETURNING 1
+), stage_delta AS (
     INSERT INTO pepsi.stage_stats AS s
         (stage, processed, failed, strikes, requeued, busy_us,
          finished, advanced, paused, retries, timed_out)
@@ -1006,14 +1019,21 @@ CROSS JOIN LATERAL (
     LIMIT 1
 ) h;
 
--- name: web_overview_stage_stats
--- The web console's chart: the dispatcher's cumulative counters per stage and when it
--- last flushed them (one row per stage; the console turns successive reads into
--- per-minute counts: the table keeps no history). The server's clock comes along.
-SELECT now(), s.stage, s.processed, s.failed, s.updated
+-- name: web_overview_chart
+-- The web console's chart: the last day's counts (pepsi.stage_stats_minute, which the
+-- dispatcher's statistics flushes write) per bar of %(minutes)s minutes and stage, bars
+-- starting on multiples of it since midnight UTC. The server's clock comes along.
+SELECT now(), b.start, b.stage, b.processed, b.failed
 FROM (SELECT 1) AS one
-LEFT JOIN pepsi.stage_stats s ON true
-ORDER BY s.stage;
+LEFT JOIN (
+    SELECT date_bin(make_interval(mins => %(minutes)s), minute, TIMESTAMPTZ '2000-01-01 UTC')
+               AS start,
+           stage, sum(processed)::bigint AS processed, sum(failed)::bigint AS failed
+    FROM pepsi.stage_stats_minute
+    WHERE minute > now() - interval '1 day'
+    GROUP BY 1, 2
+) AS b ON true
+ORDER BY b.start, b.stage;
 
 -- name: web_overview_amqp_queues
 -- The web console's stage graph: declared AMQP queues (their stage names), the first

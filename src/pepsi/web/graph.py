@@ -1,4 +1,4 @@
-"""The stage graph and the last hour's chart, laid out and drawn as SVG. Pure.
+"""The stage graph and the last day's chart, laid out and drawn as SVG. Pure.
 
 `edges_of(config)` names the graph's edges: a stage's NEXT (solid), a built-in's
 routes (an if stage's THEN and ELSE, labelled) and BOUNCE_STAGE (dashed); the
@@ -317,8 +317,8 @@ def _short_counts(counts: Backlog) -> str:
 
 
 @dataclass(frozen=True)
-class Minute:
-    label: str  # HH:MM
+class Bar:
+    label: str  # HH:MM, when it starts
     processed: int
     failed: int
     by_stage: Mapping[str, tuple[int, int]]  # stage -> (processed, failed)
@@ -328,21 +328,22 @@ CHART_W, CHART_H = 600, 120
 CHART_PAD_L, CHART_PAD_B, CHART_PAD_T = 40, 18, 8
 
 
-def render_chart(minutes: Sequence[Minute]) -> str:
-    """Per-minute processed (bars, up) and failed (bars, red, in front) as an SVG element;
-    each minute's title gives the numbers, all stages and each stage."""
-    n = max(1, len(minutes))
-    top = max((max(m.processed, m.failed) for m in minutes), default=0)
+def render_chart(bars: Sequence[Bar], label_every: int = 16) -> str:
+    """Processed (bars, up) and failed (bars, red, in front) per bar of time as an SVG
+    element; each bar's title gives the numbers, all stages and each stage. A time label
+    every `label_every` bars (4 hours of quarters)."""
+    n = max(1, len(bars))
+    top = max((max(m.processed, m.failed) for m in bars), default=0)
     scale_max = max(1, top)
     plot_w = CHART_W - CHART_PAD_L - 4
     plot_h = CHART_H - CHART_PAD_T - CHART_PAD_B
     step = plot_w / n
-    bar = max(1.0, step - 1)
+    width = max(1.0, step - 1)
     base = CHART_PAD_T + plot_h
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="rate-chart" id="rate-chart" '
         f'width="{CHART_W}" height="{CHART_H}" viewBox="0 0 {CHART_W} {CHART_H}" role="img" '
-        f'aria-label="messages per minute, last hour">',
+        f'aria-label="messages per 15 minutes, last 24 hours">',
         f'<line x1="{CHART_PAD_L}" y1="{base:g}" x2="{CHART_W - 4}" y2="{base:g}" '
         f'stroke="#999" stroke-width="1"/>',
         f'<text x="{CHART_PAD_L - 4}" y="{CHART_PAD_T + 9}" text-anchor="end" font-size="10" '
@@ -350,36 +351,36 @@ def render_chart(minutes: Sequence[Minute]) -> str:
         f'<text x="{CHART_PAD_L - 4}" y="{base:g}" text-anchor="end" font-size="10" '
         f'fill="#555">0</text>',
     ]
-    for i, minute in enumerate(minutes):
+    for i, bar in enumerate(bars):
         x = CHART_PAD_L + i * step
-        parts = [f"{minute.label}: {minute.processed} processed, {minute.failed} failed"]
+        parts = [f"{bar.label}: {bar.processed} processed, {bar.failed} failed"]
         parts += [
             f"{stage}: {p} processed, {f} failed"
-            for stage, (p, f) in sorted(minute.by_stage.items())
+            for stage, (p, f) in sorted(bar.by_stage.items())
             if p or f
         ]
-        out.append(f'<g class="minute"><title>{escape(chr(10).join(parts))}</title>')
+        out.append(f'<g class="bar"><title>{escape(chr(10).join(parts))}</title>')
         out.append(
             f'<rect class="hit" x="{x:g}" y="{CHART_PAD_T}" width="{step:g}" '
             f'height="{plot_h:g}" fill="transparent"/>'
         )
         for value, cls, colour in (
-            (minute.processed, "bar-processed", "#4f7fb0"),
-            (minute.failed, "bar-failed", "#c0392b"),
+            (bar.processed, "bar-processed", "#4f7fb0"),
+            (bar.failed, "bar-failed", "#c0392b"),
         ):
             if value:
                 h = max(1.0, plot_h * value / scale_max)
                 out.append(
-                    f'<rect class="{cls}" x="{x:g}" y="{base - h:g}" width="{bar:g}" '
+                    f'<rect class="{cls}" x="{x:g}" y="{base - h:g}" width="{width:g}" '
                     f'height="{h:g}" fill="{colour}"/>'
                 )
         out.append("</g>")
-        last = i == len(minutes) - 1
-        if (i % 15 == 0 and len(minutes) - i > 8) or last:
+        last = i == len(bars) - 1
+        if (i % label_every == 0 and len(bars) - i > label_every // 2) or last:
             anchor, at = ("end", x + step) if last else ("start", x)
             out.append(
                 f'<text x="{at:g}" y="{CHART_H - 4}" font-size="10" fill="#555" '
-                f'text-anchor="{anchor}">{escape(minute.label)}</text>'
+                f'text-anchor="{anchor}">{escape(bar.label)}</text>'
             )
     out.append("</svg>")
     return "".join(out)

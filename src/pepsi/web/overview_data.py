@@ -6,11 +6,10 @@ stopped with the app (`lifecycle`):
 - the live listener: an autocommit async connection of its own LISTENs on
   `pepsi_live` (`pepsi.admin.live.AsyncLiveListener`) and feeds the state's
   `LiveRates`; it reconnects after a failure, every RECONNECT_AFTER seconds;
-- the statistics sampler: every SAMPLE_EVERY seconds it reads the dispatcher's
-  cumulative counters (`pepsi.stage_stats`) into `MinuteHistory`, the last
-  hour's per-minute processed and failed counts. The table keeps one row of
-  running totals per stage and no history, so the chart holds what the
-  console has seen since it started (at most the last hour).
+- (no second task for the chart: the dispatcher's statistics flushes keep
+  the last day's per-minute counts in `pepsi.stage_stats_minute`, which the
+  overview reads at most every CHART_EVERY seconds, in bars of BAR_MINUTES;
+  so the chart shows the last day whenever the console started.)
 
 `build` makes one `Overview`: counts per stage and status (a scan of the
 queue: redone at most as often as `pepsi top` would, `counts_due`), the
@@ -30,7 +29,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -50,72 +49,47 @@ from pepsi.web import graph
 
 log = logging.getLogger("pepsi.web")
 
-SAMPLE_EVERY = 15.0  # seconds between two reads of the statistics for the chart
+CHART_EVERY = 15.0  # seconds between two reads of the chart's counts
+CHART_BARS, BAR_MINUTES = 96, 15  # the chart: the last 24 hours in quarters
 RECONNECT_AFTER = 5.0  # seconds before the live listener connects again
 CACHE_FOR = 2.0  # seconds an overview is shared between requests: the page's refresh
-HISTORY_MINUTES = 60
 MAX_QUEUES = 40  # AMQP queues drawn in the graph beyond those the stages name
 COUNT_INTERVAL = 2.0  # how often the page refreshes: the budget of the queue's count
 LIVE_APPLICATION_NAME = "pepsi-web-live"
 
 Conn = psycopg.Connection[Any]
-StatsRow = tuple[str, int, int, datetime]  # stage, processed, failed, updated
+ChartRow = tuple[datetime, str, int, int]  # a bar's start, stage, processed, failed
 
 
-# ---- the last hour: pure --------------------------------------------------------------
+# ---- the last day: pure ----------------------------------------------------------------
 
 
-class MinuteHistory:
-    """Per-minute processed and failed counts per stage, from successive reads of
-    cumulative counters. A read's increase over the one before is counted in the
-    minute the counters were written (`updated`, the flush); the first read of a
-    stage, and a counter that went back (reset), only set where counting starts."""
-
-    def __init__(self, minutes: int = HISTORY_MINUTES) -> None:
-        self.minutes = minutes
-        self.last: dict[str, tuple[int, int]] = {}
-        self.buckets: dict[datetime, dict[str, tuple[int, int]]] = {}
-        self.since: datetime | None = None  # the first read
-
-    def observe(self, rows: Iterable[StatsRow], now: datetime) -> None:
-        if self.since is None:
-            self.since = now
-        for stage, processed, failed, updated in rows:
-            before = self.last.get(stage)
-            self.last[stage] = (processed, failed)
-            if before is None or processed < before[0] or failed < before[1]:
-                continue
-            more = (processed - before[0], failed - before[1])
-            if more == (0, 0):
-                continue
-            minute = _minute(min(updated, now))
-            bucket = self.buckets.setdefault(minute, {})
-            p, f = bucket.get(stage, (0, 0))
-            bucket[stage] = (p + more[0], f + more[1])
-        first = _minute(now) - timedelta(minutes=self.minutes - 1)
-        for minute in [m for m in self.buckets if m < first]:
-            del self.buckets[minute]
-
-    def series(self, now: datetime) -> list[graph.Minute]:
-        """The last `minutes` minutes up to now's, oldest first."""
-        last = _minute(now)
-        out = []
-        for back in range(self.minutes - 1, -1, -1):
-            minute = last - timedelta(minutes=back)
-            by_stage = self.buckets.get(minute, {})
-            out.append(
-                graph.Minute(
-                    label=minute.strftime("%H:%M"),
-                    processed=sum(p for p, _ in by_stage.values()),
-                    failed=sum(f for _, f in by_stage.values()),
-                    by_stage=dict(by_stage),
-                )
+def chart_bars(
+    rows: Iterable[ChartRow], now: datetime, bars: int = CHART_BARS, minutes: int = BAR_MINUTES
+) -> list[graph.Bar]:
+    """The `bars` bars of `minutes` up to now's, oldest first, from per-bar counts per stage
+    (bars start on multiples of `minutes` since midnight UTC, as the query bins them)."""
+    width = timedelta(minutes=minutes)
+    epoch = datetime(2000, 1, 1, tzinfo=UTC)
+    last = epoch + (now - epoch) // width * width
+    counts: dict[datetime, dict[str, tuple[int, int]]] = {}
+    for start, stage, processed, failed in rows:
+        by_stage = counts.setdefault(start, {})
+        p, f = by_stage.get(stage, (0, 0))
+        by_stage[stage] = (p + processed, f + failed)
+    out = []
+    for back in range(bars - 1, -1, -1):
+        start = last - back * width
+        by_stage = counts.get(start, {})
+        out.append(
+            graph.Bar(
+                label=start.astimezone(now.tzinfo).strftime("%H:%M"),
+                processed=sum(p for p, _ in by_stage.values()),
+                failed=sum(f for _, f in by_stage.values()),
+                by_stage=dict(by_stage),
             )
-        return out
-
-
-def _minute(at: datetime) -> datetime:
-    return at.replace(second=0, microsecond=0)
+        )
+    return out
 
 
 # ---- what the page shows ----------------------------------------------------------------
@@ -189,7 +163,6 @@ class Overview:
     stages: tuple[StageLine, ...]
     graph_svg: str
     chart_svg: str
-    chart_since: datetime | None
     chart_processed: int
     chart_failed: int
     rates: Rates
@@ -210,18 +183,23 @@ class DbRead:
     sample: top.Sample
     counted: Counted
     oldest: Mapping[str, float]
-    stats_now: datetime
-    stats: tuple[StatsRow, ...]
+    chart: Chart | None  # None: not read this time (CHART_EVERY)
     queues: tuple[str, ...]
     queue_total: int
 
 
-def read_stats(conn: Conn) -> tuple[datetime, tuple[StatsRow, ...]]:
-    """The server's clock and the cumulative counters per stage (`web_overview_stage_stats`)."""
-    rows = conn.execute(query("web_overview_stage_stats")).fetchall()
-    now: datetime = rows[0][0]
-    return now, tuple(
-        (str(stage), int(p), int(f), updated) for _, stage, p, f, updated in rows if stage
+@dataclass(frozen=True)
+class Chart:
+    now: datetime  # the server's clock
+    rows: tuple[ChartRow, ...]
+
+
+def read_chart(conn: Conn) -> Chart:
+    """The last day's counts per bar and stage (`web_overview_chart`), and the server's clock."""
+    rows = conn.execute(query("web_overview_chart"), {"minutes": BAR_MINUTES}).fetchall()
+    return Chart(
+        rows[0][0],
+        tuple((start, str(stage), int(p), int(f)) for _, start, stage, p, f in rows if stage),
     )
 
 
@@ -237,8 +215,11 @@ def read_amqp_queues(conn: Conn, limit: int = MAX_QUEUES) -> tuple[tuple[str, ..
     return tuple(str(stage) for stage, _ in rows), int(rows[0][1]) if rows else 0
 
 
-def read_db(conn: Conn, stages: Sequence[str], counted: Counted | None) -> DbRead:
-    """Everything the overview reads, on one connection (autocommit)."""
+def read_db(
+    conn: Conn, stages: Sequence[str], counted: Counted | None, *, chart: bool = True
+) -> DbRead:
+    """Everything the overview reads, on one connection (autocommit); the chart's counts
+    only if `chart`."""
     if counted is None or top.counts_due(
         counted.at, counted.took, time.monotonic(), COUNT_INTERVAL
     ):
@@ -247,8 +228,7 @@ def read_db(conn: Conn, stages: Sequence[str], counted: Counted | None) -> DbRea
     queues, total = read_amqp_queues(conn)
     names = sorted(set(stages) | set(counted.counts) | set(queues))
     oldest = read_oldest_pending(conn, names)
-    stats_now, stats = read_stats(conn)
-    return DbRead(sample, counted, oldest, stats_now, stats, queues, total)
+    return DbRead(sample, counted, oldest, read_chart(conn) if chart else None, queues, total)
 
 
 # ---- the state of one console ------------------------------------------------------------
@@ -257,7 +237,8 @@ def read_db(conn: Conn, stages: Sequence[str], counted: Counted | None) -> DbRea
 @dataclass
 class OverviewState:
     rates: LiveRates = field(default_factory=LiveRates)
-    history: MinuteHistory = field(default_factory=MinuteHistory)
+    chart: Chart | None = None  # the last read of the chart's counts
+    chart_read: float = 0.0  # when (monotonic)
     seen: tuple[top.Sample, ...] = ()
     counted: Counted | None = None
     cached: tuple[float, Overview] | None = None
@@ -299,26 +280,8 @@ async def listen(state: OverviewState, dsn: str, timeout: float) -> None:
         await asyncio.sleep(RECONNECT_AFTER)
 
 
-async def sample_stats(state: OverviewState, console: Any) -> None:
-    """One read of the statistics into the history."""
-    now, rows = await console.db(read_stats)
-    state.history.observe(rows, now)
-
-
-async def sampler(state: OverviewState, console: Any) -> None:
-    """Read the statistics every SAMPLE_EVERY seconds, until cancelled."""
-    while True:
-        await asyncio.sleep(SAMPLE_EVERY)  # the first read: the first page's, or this one's
-        try:
-            await sample_stats(state, console)
-        except asyncio.CancelledError:
-            raise
-        except (psycopg.Error, PepsiError, OSError) as exc:
-            log.warning("web: reading the statistics failed: %s", one_line(exc))
-
-
 def lifecycle(console: Any) -> Any:
-    """The app's cleanup context: the state, the live listener and the sampler."""
+    """The app's cleanup context: the state and the live listener."""
 
     async def run(app: web.Application) -> AsyncIterator[None]:
         state = app[OVERVIEW]
@@ -327,7 +290,6 @@ def lifecycle(console: Any) -> Any:
                 listen(state, console.dsn, console.config.postgres.connect_timeout),
                 name="pepsi-web-live",
             ),
-            asyncio.create_task(sampler(state, console), name="pepsi-web-stats"),
         ]
         try:
             yield
@@ -351,9 +313,11 @@ async def overview(state: OverviewState, console: Any) -> Overview:
         if cached is not None and time.monotonic() - cached[0] < CACHE_FOR:
             return cached[1]
         config: Config = console.config
-        read = await console.db(read_db, list(config.stages), state.counted)
+        chart_due = state.chart is None or time.monotonic() - state.chart_read >= CHART_EVERY
+        read = await console.db(read_db, list(config.stages), state.counted, chart=chart_due)
         state.counted = read.counted
-        state.history.observe(read.stats, read.stats_now)
+        if read.chart is not None:
+            state.chart, state.chart_read = read.chart, time.monotonic()
         result = build(state, config, read, console.dispatcher)
         state.cached = (time.monotonic(), result)
         return result
@@ -417,15 +381,15 @@ def build(state: OverviewState, config: Config, read: DbRead, dispatcher: Any) -
         line.name: graph.Backlog(line.pending, line.running, line.failed + line.timeout)
         for line in lines
     }
-    minutes = state.history.series(read.stats_now)
+    chart = read.chart or state.chart
+    bars = chart_bars(chart.rows, chart.now) if chart is not None else []
     return Overview(
         now=sample.now,
         stages=tuple(lines),
         graph_svg=graph.render_graph(layout, backlog),
-        chart_svg=graph.render_chart(minutes),
-        chart_since=state.history.since,
-        chart_processed=sum(m.processed for m in minutes),
-        chart_failed=sum(m.failed for m in minutes),
+        chart_svg=graph.render_chart(bars),
+        chart_processed=sum(b.processed for b in bars),
+        chart_failed=sum(b.failed for b in bars),
         rates=rates,
         live_state=live.state,
         workers_source=workers_source,
