@@ -261,6 +261,26 @@ def test_unknown_keyword_is_a_clear_error(pub: Publisher) -> None:
         pub.publish("inbound", b"x", recipient="a@b.c")
 
 
+def test_publish_takes_a_message_object_too(pub: Publisher, conf: Path, dsn: str) -> None:
+    message = OutgoingMessage("inbound", b"made before", sender="a@b.c")
+    wid = pub.publish(message)
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT stage, sender FROM pepsi.workqueue WHERE workqueue_id = %s", (wid,)
+        ).fetchone()
+    assert row == ("inbound", "a@b.c")
+    with pytest.raises(TypeError, match=r"^publish\(message\) takes the message alone"):
+        pub.publish(message, b"another body")
+    with pytest.raises(TypeError, match="a stage name or an OutgoingMessage first, not dict"):
+        pub.publish({"stage": "inbound"})  # type: ignore[arg-type]
+
+    async def in_async() -> int:
+        async with await AsyncPublisher.connect(load_config(conf), dsn) as publisher:
+            return await publisher.publish(message)
+
+    assert asyncio.run(in_async()) > wid
+
+
 def test_max_length_reject_publish(pub: Publisher, conn: Conn) -> None:
     pub.publish_many([OutgoingMessage("small")] * 4)
     with pytest.raises(Rejected, match="stage small is full") as info:

@@ -76,7 +76,19 @@ AnyAConn = psycopg.AsyncConnection[Any]
 T = TypeVar("T")
 
 
-def _message(stage: str, body: Any, fields: dict[str, Any]) -> OutgoingMessage:
+def _message(stage: str | OutgoingMessage, body: Any, fields: dict[str, Any]) -> OutgoingMessage:
+    """publish()'s arguments as one message: a stage and fields, or a message made already."""
+    if isinstance(stage, OutgoingMessage):
+        if body is not None or fields:
+            raise TypeError(
+                "publish(message) takes the message alone: put the body and fields in "
+                "OutgoingMessage(...), or call publish(stage, body, **fields)"
+            )
+        return stage
+    if not isinstance(stage, str):
+        raise TypeError(
+            f"publish() takes a stage name or an OutgoingMessage first, not {type(stage).__name__}"
+        )
     if "recipients" in fields and fields["recipients"] is not None:
         recipients = fields["recipients"]
         if not isinstance(recipients, str | bytes):
@@ -279,7 +291,7 @@ class Publisher(_Core):
 
     def publish(
         self,
-        stage: str,
+        stage: str | OutgoingMessage,
         body: Any = None,
         *,
         connection: AnyConn | None = None,
@@ -287,7 +299,8 @@ class Publisher(_Core):
         retry: Retry | bool | None = None,
         **fields: Any,
     ) -> int:
-        """Publish one message; return its id once confirmed. See OutgoingMessage."""
+        """Publish one message; return its id once confirmed. `stage` and the fields of
+        OutgoingMessage, or an OutgoingMessage alone."""
         return self.publish_many(
             [_message(stage, body, fields)],
             connection=connection,
@@ -522,7 +535,7 @@ class AsyncPublisher(_Core):
 
     async def publish(
         self,
-        stage: str,
+        stage: str | OutgoingMessage,
         body: Any = None,
         *,
         connection: AnyAConn | None = None,
@@ -530,7 +543,8 @@ class AsyncPublisher(_Core):
         retry: Retry | bool | None = None,
         **fields: Any,
     ) -> int:
-        """Publish one message; return its id once confirmed. See OutgoingMessage."""
+        """Publish one message; return its id once confirmed. `stage` and the fields of
+        OutgoingMessage, or an OutgoingMessage alone."""
         ids = await self.publish_many(
             [_message(stage, body, fields)],
             connection=connection,
