@@ -9,6 +9,9 @@ it accepts connections, not after the pool's own reconnect backoff.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -223,3 +226,41 @@ def test_the_sync_pipeline_inherits_retry(conf: Path, dsn: str) -> None:
     ids = [f.result(timeout=0) for f in first + futures]
     assert sorted(ids) == [w for w, _ in rows(dsn)]
     assert len(set(ids)) == 60
+
+
+def test_pepsi_ingress_retry_waits_out_a_read_only_database(conf: Path, dsn: str) -> None:
+    """The producer CLI's --retry: a refused attempt is said on stderr, then the one row."""
+    dbname = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+    assert isinstance(dbname, str)
+    read_only = sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = {}")
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(read_only.format(sql.Identifier(dbname), sql.Literal("on")))
+    env = {**os.environ, "PEPSI_DSN": dsn}
+    command = [sys.executable, "-m", "pepsi", "-c", str(conf), "ingress", "--stage", "a"]
+    with subprocess.Popen(
+        [*command, "--retry", "-"], env=env, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    ) as proc:  # fmt: skip
+        assert proc.stdin is not None
+        assert proc.stderr is not None
+        proc.stdin.write("hello")
+        proc.stdin.close()
+        line = proc.stderr.readline()  # blocks until the first attempt was refused
+        assert "publish not done" in line
+        assert "read-only" in line
+        assert "trying again in" in line
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute("SET default_transaction_read_only = off")
+            admin.execute(read_only.format(sql.Identifier(dbname), sql.Literal("off")))
+        assert proc.stdout is not None
+        out = proc.stdout.read()
+        assert proc.wait(60) == 0
+    assert [str(w) for w, _ in rows(dsn)] == [out.strip()]
+    bad = subprocess.run(
+        [*command, "--retry-deadline", "0", "-"], env=env, input="x", capture_output=True,
+        text=True, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.strip().endswith(
+        "--retry-deadline: Retry.deadline must be > 0 seconds, not 0.0"
+    )

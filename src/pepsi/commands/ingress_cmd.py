@@ -24,7 +24,8 @@ from typing import IO, TYPE_CHECKING, Any
 from pepsi.commands import Context, summary
 from pepsi.durations import parse_duration
 from pepsi.errors import EX_OK
-from pepsi.publishing import InvalidMessage, OutgoingMessage
+from pepsi.publishing import InvalidMessage, OutgoingMessage, Retry
+from pepsi.publishing.retry import DEFAULT_DEADLINE
 
 if TYPE_CHECKING:
     from pepsi.publishing.client import Publisher
@@ -102,6 +103,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--rate", type=float, help="at most this many messages per second")
     parser.add_argument(
         "--batch", type=int, default=100, help="messages per transaction (default 100)"
+    )
+    parser.add_argument(
+        "--retry",
+        action="store_true",
+        help="try a failed publish again (a failover, a restart, a read-only node) until "
+        "--retry-deadline; messages get a message id and dedup, so none is stored twice",
+    )
+    parser.add_argument(
+        "--retry-deadline",
+        metavar="DURATION",
+        help=f"how long --retry keeps trying (default {DEFAULT_DEADLINE:g}s; implies --retry)",
     )
     parser.add_argument(
         "--quiet", action="store_true", help="print a summary on stderr instead of the ids"
@@ -208,9 +220,10 @@ def run_ingress(args: argparse.Namespace, ctx: Context) -> int:
     stdin = sys.stdin.buffer
     if args.format == "raw" and not args.files and sys.stdin.isatty():
         raise _Usage("reading the message body from a terminal: pipe it in or give FILE")
+    retry = _retry(args)
     from pepsi.publishing.client import Publisher  # noqa: PLC0415  # psycopg_pool loads slowly
 
-    publisher = Publisher.connect(ctx.config())
+    publisher = Publisher.connect(ctx.config(), retry=retry or False)
     out = sys.stdout
     started = time.monotonic()
     sent = 0
@@ -231,6 +244,15 @@ def run_ingress(args: argparse.Namespace, ctx: Context) -> int:
             f"published {sent} messages in {elapsed:.2f}s ({sent / elapsed:.0f}/s)", file=sys.stderr
         )
     return EX_OK
+
+
+def _retry(args: argparse.Namespace) -> Retry | None:
+    if args.retry_deadline is None:
+        return Retry() if args.retry else None
+    try:
+        return Retry(deadline=parse_duration(args.retry_deadline))
+    except ValueError as exc:
+        raise _Usage(f"--retry-deadline: {exc}") from None
 
 
 def _flush(

@@ -24,6 +24,7 @@ after a failover, no connection to the old primary is handed out again.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -61,6 +62,8 @@ from pepsi.publishing.message import OutgoingMessage
 from pepsi.publishing.pipeline import Pipeline, SyncPipeline
 from pepsi.publishing.retry import Retry
 
+log = logging.getLogger("pepsi.publish")
+
 REJECTED = "PP001"  # raised by pepsi.workqueue_publish when a stage is full
 # psycopg_pool's own reconnect attempts double from 1 s for 5 minutes: after a
 # failover the pool could wait many seconds after the new primary took writes.
@@ -94,6 +97,11 @@ def _message(stage: str | OutgoingMessage, body: Any, fields: dict[str, Any]) ->
         if not isinstance(recipients, str | bytes):
             fields["recipients"] = tuple(recipients)
     return OutgoingMessage(stage, body, **fields)
+
+
+def _log_retry(exc: PepsiError, pause: float) -> None:
+    # INFO: the CLI shows it (`pepsi ingress --retry`); a library's caller sees it if it asks
+    log.info("publish not done (%s); trying again in %.1fs", one_line(exc), pause)
 
 
 def _domain(exc: psycopg.Error) -> PepsiError:
@@ -358,6 +366,7 @@ class Publisher(_Core):
                 pause = tries.failed(exc)
                 if pause is None:
                     raise
+                _log_retry(exc, pause)
             time.sleep(pause)
 
     def _attempt(
@@ -602,6 +611,7 @@ class AsyncPublisher(_Core):
                 pause = tries.failed(exc)
                 if pause is None:
                     raise
+                _log_retry(exc, pause)
             await asyncio.sleep(pause)
 
     async def _attempt(
