@@ -9,6 +9,7 @@ it accepts connections, not after the pool's own reconnect backoff.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -73,15 +74,42 @@ def test_terminated_sessions_give_exactly_one_message(conf: Path, dsn: str) -> N
     assert message_id is not None  # generated (uuid4), deduplicated: safe to publish again
 
 
-def test_without_retry_the_next_publish_gets_a_fresh_connection(conf: Path, dsn: str) -> None:
-    """The lost connection drains the pool: the other stale one is not handed out."""
+def test_sessions_the_server_ended_are_never_handed_out(conf: Path, dsn: str) -> None:
+    """Idle sessions terminated (as a failover or a restart ends them) are seen at once
+    (the server's goodbye waits on their sockets): the next publish gets a new session."""
     with Publisher.connect(load_config(conf), dsn) as publisher:
         wait_until(lambda: publisher.pool.get_stats()["pool_available"] >= 2, what="2 idle")
-        terminate_publishers(dsn)
-        with pytest.raises(NotConfirmed, match="same message_id and dedup=True"):
-            publisher.publish("a", b"x")
+        assert terminate_publishers(dsn) >= 2
+        publisher.publish("a", b"x")  # no NotConfirmed, no retry needed
         publisher.publish("a", b"y")
-    assert len(rows(dsn)) == 1
+    assert len(rows(dsn)) == 2
+
+
+def lose_the_connection_mid_publish(dsn: str, publish: Any) -> BaseException | None:
+    """Run `publish` while the queue is locked, end its session while it waits: what it
+    raises (an outcome it cannot know)."""
+    result: dict[str, BaseException | None] = {"error": None}
+
+    def run() -> None:
+        try:
+            publish()
+        except BaseException as exc:  # noqa: BLE001  # the caller looks at it
+            result["error"] = exc
+
+    with psycopg.connect(dsn) as locker:
+        locker.execute("LOCK TABLE pepsi.workqueue IN ACCESS EXCLUSIVE MODE")
+        thread = threading.Thread(target=run)
+        thread.start()
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            waiting = (
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'pepsi-publish'"
+                " AND wait_event_type = 'Lock' AND datname = current_database()"
+            )
+            pid = wait_until(lambda: admin.execute(waiting).fetchone(), what="a blocked publish")
+            admin.execute("SELECT pg_terminate_backend(%s)", pid)
+        thread.join(30)
+        locker.rollback()
+    return result["error"]
 
 
 def test_the_async_publisher_retries_too(conf: Path, dsn: str) -> None:
@@ -137,9 +165,7 @@ def test_without_retry_read_only_is_database_read_only(conf: Path, dsn: str) -> 
             )
         wait_until(lambda: publisher.pool.get_stats()["pool_available"] >= 2, what="2 idle")
         terminate_publishers(dsn)
-        with pytest.raises(NotConfirmed):  # a terminated session first: the pool drains
-            publisher.publish("a", b"x")
-        with pytest.raises(DatabaseReadOnly):  # then a new session, read-only: 25006
+        with pytest.raises(DatabaseReadOnly):  # a new session, read-only: 25006
             publisher.publish("a", b"x")
     assert rows(dsn) == []
 
@@ -147,10 +173,10 @@ def test_without_retry_read_only_is_database_read_only(conf: Path, dsn: str) -> 
 def test_retry_needs_dedup_to_retry_an_unknown_outcome(conf: Path, dsn: str) -> None:
     """A message with its own id and dedup=False is not retried after a lost connection."""
     with Publisher.connect(load_config(conf), dsn, retry=True) as publisher:
-        wait_until(lambda: publisher.pool.get_stats()["pool_available"] >= 2, what="2 idle")
-        terminate_publishers(dsn)
-        with pytest.raises(NotConfirmed):
-            publisher.publish("a", b"x", message_id="mine")
+        error = lose_the_connection_mid_publish(
+            dsn, lambda: publisher.publish("a", b"x", message_id="mine")
+        )
+    assert isinstance(error, NotConfirmed), error
     assert rows(dsn) == []
 
 
@@ -264,3 +290,70 @@ def test_pepsi_ingress_retry_waits_out_a_read_only_database(conf: Path, dsn: str
     assert bad.stderr.strip().endswith(
         "--retry-deadline: Retry.deadline must be > 0 seconds, not 0.0"
     )
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_without_retry_a_publish_goes_on_as_soon_as_the_server_is_back(
+    own_server: EmbeddedServer, conf: Path, kind: str
+) -> None:
+    """Issue 33: after a restart the pool handed out connections the server had closed
+    (the next publish: NotConfirmed), and a publish waiting through the outage waited its
+    whole CONNECT_TIMEOUT (10 s) after the pool gave up reconnecting, then DatabaseBusy."""
+    dsn = own_server.uri()
+    assert dsn is not None
+    config = load_config(conf)
+    assert config.postgres.connect_timeout >= 10.0
+
+    async def waiting_async(publisher: AsyncPublisher) -> int:
+        return await publisher.publish("a", b"waited")
+
+    def cycle(publish_waiting: Any, publish_after: Any) -> tuple[float, int, int]:
+        own_server.stop()
+        stopped = time.monotonic()
+        result: dict[str, Any] = {}
+
+        def waiting() -> None:
+            try:
+                result["id"] = publish_waiting()
+            except Exception as exc:  # noqa: BLE001  # reported below
+                result["error"] = exc
+            result["done"] = time.monotonic()
+
+        thread = threading.Thread(target=waiting)
+        thread.start()  # it waits for a connection through the outage
+        wait_until(lambda: time.monotonic() - stopped > 3.0, 10, "a 3 s outage")
+        assert own_server.start() == dsn
+        back = time.monotonic()
+        thread.join(timeout=30)
+        assert "error" not in result, result
+        after = publish_after()  # a publish made once the server is back: at once, no error
+        return result["done"] - back, result["id"], after
+
+    if kind == "sync":
+        with Publisher.connect(config, dsn) as publisher:
+            publisher.publish("a", b"before")  # the pool holds connections the stop will end
+            waited, first, second = cycle(
+                lambda: publisher.publish("a", b"waited"),
+                lambda: publisher.publish("a", b"after"),
+            )
+    else:
+
+        async def main() -> tuple[float, int, int]:
+            async with await AsyncPublisher.connect(config, dsn) as publisher:
+                await publisher.publish("a", b"before")
+                loop = asyncio.get_running_loop()
+                return await asyncio.to_thread(
+                    cycle,
+                    lambda: asyncio.run_coroutine_threadsafe(
+                        waiting_async(publisher), loop
+                    ).result(),
+                    lambda: asyncio.run_coroutine_threadsafe(
+                        publisher.publish("a", b"after"), loop
+                    ).result(),
+                )
+
+        waited, first, second = asyncio.run(main())
+    print(f"the waiting publish went on {waited:.3f}s after the server was back")
+    assert waited < 2.0  # measured 0.05-0.6 s; before: DatabaseBusy after 10 s
+    assert second > first
+    assert len(rows(dsn)) == 3

@@ -54,7 +54,7 @@ from pepsi.errors import (
     classify,
     one_line,
 )
-from pepsi.publishing import batch
+from pepsi.publishing import batch, pool_wait
 from pepsi.publishing import retry as retrying
 from pepsi.publishing.confirm import SAFE_AGAIN, ConfirmDeadline, SyncRepWatch
 from pepsi.publishing.errors import NotConfirmed, NotOpen, PublishFailed, Rejected
@@ -376,7 +376,7 @@ class Publisher(_Core):
         self._require_open()
         lost = False
         try:
-            with self.pool.connection(timeout=wait) as conn:
+            with pool_wait.connection(self.pool, wait) as conn:
                 try:
                     if self._needs_refresh(items):
                         self._refresh(conn)
@@ -620,7 +620,7 @@ class AsyncPublisher(_Core):
         """One try on a pool connection; a broken one drains the pool (a failover)."""
         lost = False
         try:
-            async with self.pool.connection(timeout=wait) as conn:
+            async with pool_wait.aconnection(self.pool, wait) as conn:
                 try:
                     ids = await self._publish(conn, items, timeout)
                 except BaseException as exc:
