@@ -1,4 +1,8 @@
-"""Run the order pipeline end to end on the embedded database (or $PEPSI_DSN).
+"""Run the order pipeline end to end on the embedded server (or $PEPSI_DSN's).
+
+In a database of its own, `pepsi_demo`, made anew at each run: the demo's
+messages (a few fail on purpose) never land in the default database, where a
+new user's own `pepsi top` would show them.
 
 Starts the dispatcher, publishes orders in bursts, shows progress per stage,
 prints what happened to every order, checks nothing is left in flight, and
@@ -18,6 +22,7 @@ import time
 from pathlib import Path
 
 import psycopg
+from psycopg import conninfo, sql
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -30,6 +35,7 @@ from pepsi.publishing import OutgoingMessage, Publisher
 HERE = Path(__file__).resolve().parent
 CONF = HERE / "pepsi.conf"
 STAGES = ("validate", "price", "route", "ship")
+DEMO_DATABASE = "pepsi_demo"
 
 
 def order(n: int, rng: random.Random) -> bytes:
@@ -42,12 +48,28 @@ def order(n: int, rng: random.Random) -> bytes:
     return json.dumps({"id": n, "country": rng.choice(["FR", "DE", "IR"]), "items": items}).encode()
 
 
+def demo_database(dsn: str) -> str:
+    """`pepsi_demo` made anew on the server of `dsn`; its DSN. A role that may not create
+    databases keeps `dsn`'s own (the demo then cleans up its stages there)."""
+    admin = conninfo.make_conninfo(dsn, dbname="postgres")
+    name = sql.Identifier(DEMO_DATABASE)
+    try:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(name))
+    except psycopg.errors.InsufficientPrivilege:
+        return dsn
+    return conninfo.make_conninfo(dsn, dbname=DEMO_DATABASE)
+
+
 def prepare(console: Console) -> tuple[Config, str, psycopg.Connection[tuple[object, ...]]]:
     """Schema installed, the demo's ledger empty, leftovers of a previous run gone."""
     config = load_config(CONF)
     target = connect.resolve(config)
-    console.print(f"database: {target.source}")
-    db = psycopg.connect(target.dsn, autocommit=True)
+    dsn = demo_database(target.dsn)
+    dbname = conninfo.conninfo_to_dict(dsn).get("dbname")
+    console.print(f"database: {dbname} on the {target.source}")
+    db = psycopg.connect(dsn, autocommit=True)
     console.print(schema.install(db))
     db.execute(
         "CREATE TABLE IF NOT EXISTS demo_shipments (order_id bigint PRIMARY KEY,"
@@ -56,7 +78,7 @@ def prepare(console: Console) -> tuple[Config, str, psycopg.Connection[tuple[obj
     db.execute("TRUNCATE demo_shipments")
     db.execute("DELETE FROM pepsi.workqueue WHERE stage = ANY(%s)", (list(STAGES),))
     db.execute("DELETE FROM pepsi.publish_dedup WHERE message_id LIKE 'order-%'")
-    return config, target.dsn, db
+    return config, dsn, db
 
 
 def feed(
@@ -136,6 +158,16 @@ def report(
     return ok
 
 
+def where(console: Console, dsn: str) -> None:
+    """How to look at the demo's database with the usual commands."""
+    if conninfo.conninfo_to_dict(dsn).get("dbname") == DEMO_DATABASE:
+        console.print(
+            f"the demo's messages are in the database {DEMO_DATABASE} (the default one is "
+            f"untouched); to look: PEPSI_DSN='{dsn}' .venv/bin/pepsi queue status",
+            soft_wrap=True,
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--orders", type=int, default=3000, help="orders to publish")
@@ -168,7 +200,9 @@ def main() -> int:
     if not fed:
         console.print(f"[red]the dispatcher exited with status {code}; see {log}[/]")
         return 1
-    return 0 if report(console, db, args.orders, elapsed, code) else 1
+    ok = report(console, db, args.orders, elapsed, code)
+    where(console, dsn)
+    return 0 if ok else 1
 
 
 def scalar(db: psycopg.Connection[tuple[object, ...]], query: str) -> object:
