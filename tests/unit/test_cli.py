@@ -13,7 +13,7 @@ from pepsi.db.queries import parse_named
 
 CONF = """
 [stage-inbound]
-HANDLER = examples.demo:inbound
+HANDLER = tests.stages:noop
 NEXT = deliver
 [stage-deliver]
 PROGRAM = /usr/bin/deliver
@@ -156,7 +156,7 @@ def test_config_check_prints_the_graph(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["-c", str(path), "config", "check"]) == 0
     out = capsys.readouterr().out
     assert "inbound → deliver → done" in out
-    assert "examples.demo:inbound" in out
+    assert "tests.stages:noop" in out
     assert f"{path}: OK" in out.replace("\n", "")
 
 
@@ -171,6 +171,33 @@ def test_config_check_error_is_one_line_exit_1(
         err
         == f"pepsi: {path}: [stage-deliver] NEXT: no stage named 'nowhere' (no [stage-nowhere])\n"
     )
+
+
+def test_config_check_imports_each_handler_as_its_worker_would(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A HANDLER that cannot be imported was OK here, and its worker then refused to start
+    every 5 s: now config check says so, for each stage, as the worker would."""
+    (tmp_path / "beside.py").write_text("def run(msg):\n    return None\n")
+    path = tmp_path / "pepsi.conf"
+    path.write_text(
+        "[stage-a]\nHANDLER = beside:run\nNEXT = b\n"  # next to the file: found
+        "[stage-b]\nHANDLER = nosuch.module:fn\nNEXT = c\n"
+        "[stage-c]\nHANDLER = beside:missing\nNEXT = d\n"
+        "[stage-d]\nPROGRAM = /usr/bin/deliver\n"  # an executable: nothing to import
+    )
+    assert main(["-c", str(path), "config", "check"]) == 1
+    captured = capsys.readouterr()
+    errors = [line for line in captured.out.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: [stage-b] HANDLER: cannot import nosuch.module: No module named 'nosuch'",
+        "error: [stage-c] HANDLER: beside has no missing",
+    ]
+    assert (
+        captured.err
+        == f"pepsi: {path}: 2 stage(s) would not start (see above); a worker refuses the same way\n"
+    )
+    assert main(["-c", str(path), "config", "check", "--no-import"]) == 0
 
 
 def test_config_check_without_any_file(

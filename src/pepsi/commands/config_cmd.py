@@ -4,12 +4,14 @@ live reconfiguration through the database overlay (P-10)."""
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pepsi.commands import Context, summary
 from pepsi.config import Config, StageConfig, default_locations, find_config
 from pepsi.durations import format_duration
-from pepsi.errors import EX_OK, ConfigError
+from pepsi.errors import EX_OK, ConfigError, WorkerRefused
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -24,7 +26,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "check",
         help="validate the configuration and print the stage graph",
         description="Parse pepsi.conf (the -c FILE, or the first default location that "
-        "exists), validate the stage graph and print it. Exit 0 if valid, 1 otherwise.",
+        "exists), validate the stage graph and print it, then import each HANDLER (and "
+        "check each built-in's files) as a worker would at its start, with the "
+        "configuration's directory and the current one on the path. Exit 0 if valid, "
+        "1 otherwise.",
+    )
+    check.add_argument(
+        "--no-import",
+        action="store_true",
+        help="check the file only: do not import the handlers (a machine without them)",
     )
     check.set_defaults(handler=run_check)
     reload = actions.add_parser(
@@ -69,8 +79,34 @@ def run_check(args: argparse.Namespace, ctx: Context) -> int:
     render_graph(config, console)
     for warning in config.warnings:
         console.print(f"warning: {warning}", highlight=False, markup=False)
+    refused = [] if args.no_import else _starts(config)
+    for problem in refused:
+        console.print(f"error: {problem}", highlight=False, markup=False)
+    if refused:
+        raise ConfigError(
+            f"{config.path}: {len(refused)} stage(s) would not start (see above); "
+            "a worker refuses the same way"
+        )
     console.print(f"{config.path}: OK", highlight=False, markup=False)
     return EX_OK
+
+
+def _starts(config: Config) -> list[str]:
+    """What each Python stage's worker would refuse at its start (W-7): the problems."""
+    from pepsi.worker.handlers import load_handler  # noqa: PLC0415
+
+    for folder in (Path.cwd(), config.path.parent if config.path else None):
+        if folder is not None and str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))  # as the worker's: the file's folder first
+    problems = []
+    for stage in config.stages.values():
+        if stage.handler is None:
+            continue  # an executable: nothing to import
+        try:
+            load_handler(stage)
+        except WorkerRefused as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def run_reload(args: argparse.Namespace, ctx: Context) -> int:
