@@ -45,10 +45,10 @@ def test_three_stages_every_message_exactly_once(pipeline: Pipeline) -> None:
     effects = effects_per_message(pipeline)
     expected = {(i, s): 1 for i in ids for s in ("a", "b", "c")}
     assert effects == expected
-    assert "3600 completed since start" in dispatcher.log, dispatcher.log
+    assert "3600 answers from workers and consumers" in dispatcher.log, dispatcher.log
     # A claim beyond one per message per stage is a row given back unrun (a worker
     # retired or capacity shrank while the claim ran) and is counted as requeued.
-    claimed = int(dispatcher.log.split("stopped: ")[1].split(" claimed")[0])
+    claimed = int(dispatcher.log.split("stopped: since start, ")[1].split(" rows claimed")[0])
     requeued = pipeline.scalar("SELECT coalesce(sum(requeued), 0) FROM pepsi.stage_stats")
     assert claimed - 3600 == requeued, dispatcher.log
 

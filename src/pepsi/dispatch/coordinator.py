@@ -159,11 +159,15 @@ class Dispatcher:
             if metrics is not None:
                 metrics.close()
             await self.session.close()
+        # Two different counts, not a balance: a claim takes a row for one stage; an
+        # answer ends one pass of a worker or a consumer (a retried row is claimed and
+        # answered again; a split's new rows are answered without a claim of their own).
         log.info(
-            "stopped: %d claimed, %d completed since start (%d claim statements)",
+            "stopped: since start, %d rows claimed for a stage (%d claim statements), "
+            "%d answers from workers and consumers",
             self.ledger.claimed_total,
-            self.ledger.answered_total,
             self.claimer.statements,
+            self.ledger.answered_total,
         )
         return self.exit_code
 
