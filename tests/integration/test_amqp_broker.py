@@ -246,6 +246,16 @@ def test_binding_to_missing_things_is_404_and_default_exchange_403(amqp: Any) ->
     assert "no queue 'nope'" in closed_with(404, lambda: ch.queue_bind("nope", "amq.direct"))
     ch = connection.channel()
     closed_with(403, lambda: ch.queue_bind("q", ""))
+    # unbinding what is gone already is done, as RabbitMQ answers (aio-pika's clean-ups)
+    ch = connection.channel()
+    ch.exchange_declare("gone", "direct")
+    ch.queue_bind("q", "gone", "k")
+    ch.exchange_delete("gone")
+    ch.queue_unbind("q", "gone", "k")
+    ch.queue_unbind("never-declared", "amq.direct", "k")
+    ch.exchange_unbind("amq.topic", "gone", "#")
+    ch.exchange_unbind("gone", "amq.topic", "#")
+    assert ch.is_open
 
 
 # -- publishing -----------------------------------------------------------------------------

@@ -511,6 +511,10 @@ class BrokerChannel(ConsumingChannel):
         self._require(Access.WRITE, EXCHANGE, binding.destination)
         self._require(Access.READ, EXCHANGE, binding.source_exchange)
         view = await self.catalogue.view(self.vhost)
+        if not bind and not (
+            binding.source_exchange in view.exchanges and binding.destination in view.exchanges
+        ):
+            return  # RabbitMQ: unbinding what is gone already is done (unbind-ok)
         source = self._existing_exchange(view, binding.source_exchange)
         self._existing_exchange(view, binding.destination)
         check_binding(binding, source)
@@ -609,6 +613,10 @@ class BrokerChannel(ConsumingChannel):
         self._require(Access.WRITE, QUEUE, queue_name)
         self._require(Access.READ, EXCHANGE, binding.source_exchange)
         view = await self.catalogue.view(self.vhost)
+        if not bind and not (
+            queue_name in view.queues and binding.source_exchange in view.exchanges
+        ):
+            return  # RabbitMQ: unbinding what is gone already is done (unbind-ok)
         self._existing_queue(view, queue_name)
         source = self._existing_exchange(view, binding.source_exchange)
         check_binding(binding, source)
