@@ -15,6 +15,7 @@ from pepsi.amqp.connection import (
     CHANNEL_METHODS,
     ChannelHandler,
     Close,
+    Refusal,
     channel_open_problem,
     close_for,
     heartbeat_due,
@@ -146,10 +147,16 @@ def test_amqp_errors_close_what_their_kind_says() -> None:
 
 
 def test_channel_numbers() -> None:
-    assert channel_open_problem(1, 2047, already_open=False) is None
-    assert channel_open_problem(2047, 2047, already_open=False) is None
-    assert "channel_max 2047" in (channel_open_problem(2048, 2047, already_open=False) or "")
-    assert channel_open_problem(3, 2047, already_open=True) == "second 'channel.open' seen"
+    # as RabbitMQ: channel_max bounds the channels open at once, not their numbers
+    assert channel_open_problem(2047, 0, already_open=False) is None
+    assert channel_open_problem(2047, 2046, already_open=False) is None
+    full = channel_open_problem(2047, 2047, already_open=False)
+    assert full == Refusal(
+        530, "number of channels opened (2047) has reached the negotiated channel_max (2047)"
+    )
+    assert channel_open_problem(2047, 3, already_open=True) == Refusal(
+        504, "second 'channel.open' seen"
+    )
 
 
 def test_server_properties_announce_rabbitmqs_capabilities() -> None:

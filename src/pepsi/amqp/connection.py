@@ -233,12 +233,24 @@ def close_for(error: framing.FrameError | replies.AMQPError, channel: int = 0) -
     return Close(where, code, _reply_text(code, text), error.class_id, error.method_id, drop)
 
 
-def channel_open_problem(number: int, channel_max: int, already_open: bool) -> str | None:
-    """Why channel.open on `number` is refused (504 CHANNEL_ERROR), None if it is not."""
-    if number > channel_max:
-        return f"channel number {number} is above the negotiated channel_max {channel_max}"
+@dataclass(frozen=True)
+class Refusal:
+    code: int
+    text: str
+
+
+def channel_open_problem(channel_max: int, open_now: int, already_open: bool) -> Refusal | None:
+    """Why a channel.open is refused, None if it is not. As RabbitMQ: channel_max bounds
+    how many channels are open at once (530 NOT_ALLOWED), not their numbers (any of
+    1 to 65535); a second open of one channel is 504 CHANNEL_ERROR."""
     if already_open:
-        return "second 'channel.open' seen"
+        return Refusal(replies.CHANNEL_ERROR, "second 'channel.open' seen")
+    if open_now >= channel_max:
+        return Refusal(
+            replies.NOT_ALLOWED,
+            f"number of channels opened ({open_now}) has reached the negotiated "
+            f"channel_max ({channel_max})",
+        )
     return None
 
 
@@ -1029,9 +1041,11 @@ class Connection(asyncio.Protocol):
             await self._answer(close_for(error, number))
 
     def _channel_open(self, number: int) -> None:
-        problem = channel_open_problem(number, self.channel_max, number in self.channels)
+        problem = channel_open_problem(
+            self.channel_max, len(self.channels), number in self.channels
+        )
         if problem is not None:
-            raise replies.AMQPConnectionError(replies.CHANNEL_ERROR, problem, 20, 10)
+            raise replies.AMQPConnectionError(problem.code, problem.text, 20, 10)
         channel = Channel(self, number)
         channel.handler = self.broker.channel_handler(channel)
         self.channels[number] = channel
@@ -1039,8 +1053,9 @@ class Connection(asyncio.Protocol):
 
     async def _channel_method(self, channel: Channel, method: base.Frame) -> None:
         if isinstance(method, commands.Channel.Open):
-            problem = channel_open_problem(channel.number, self.channel_max, already_open=True)
-            raise replies.AMQPConnectionError(replies.CHANNEL_ERROR, problem or "", 20, 10)
+            problem = channel_open_problem(self.channel_max, len(self.channels), True)
+            assert problem is not None
+            raise replies.AMQPConnectionError(problem.code, problem.text, 20, 10)
         if isinstance(method, commands.Channel.Close):
             del self.channels[channel.number]
             await self._channel_closed(channel)
