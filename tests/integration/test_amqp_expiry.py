@@ -90,6 +90,35 @@ def test_a_message_past_its_expiration_is_dead_lettered_as_expired(
     assert expiry(broker).expired == 1
 
 
+def test_a_dead_letter_loses_its_expiration_and_takes_its_new_queues_ttl(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn
+) -> None:
+    """As RabbitMQ: the expiration property goes (x-death's original-expiration keeps
+    it: aio-pika's test_expiration reads it), and the dead-letter queue's x-message-ttl
+    applies from the dead letter's arrival there."""
+    channel = open_channel(amqp())
+    channel.exchange_declare("dlx", "fanout")
+    channel.queue_declare("dead", arguments={"x-message-ttl": 600_000})
+    channel.queue_bind("dead", "dlx")
+    channel.queue_declare("live", arguments={"x-dead-letter-exchange": "dlx"})
+    publish(channel, "live", [b"short-lived"], expiration="50", headers={"mine": "kept"})
+    wait_until(lambda: rows(conn, "dead") == {"pending": 1}, what="the dead letter")
+    (seconds,) = conn.execute(
+        "SELECT extract(epoch FROM expires - now()) FROM pepsi.workqueue"
+        " WHERE stage = 'amqp:/:dead'"
+    ).fetchone() or (None,)
+    assert seconds is not None
+    assert 590 < seconds <= 600  # the new queue's TTL, from now: not the 50 ms it had
+    method, props, body = channel.basic_get("dead", auto_ack=True)
+    assert method is not None
+    assert body == b"short-lived"
+    assert props.expiration is None
+    assert text(props.headers["mine"]) == "kept"
+    (death,) = props.headers["x-death"]
+    assert text(death["original-expiration"]) == "50"
+    assert text(death["reason"]) == "expired"
+
+
 def test_x_message_ttl_expires_every_message_of_the_queue(
     amqp: Callable[[], pika.BlockingConnection], conn: Conn
 ) -> None:

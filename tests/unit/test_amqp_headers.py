@@ -520,3 +520,22 @@ def test_module_constants() -> None:
     assert commands.Basic.Properties.flags["content_type"] == 1 << CONTENT_TYPE_BIT
     assert commands.Basic.Properties.flags["cluster_id"] == 1 << headers.CLUSTER_ID_BIT
     assert {"rejected", "expired", "maxlen", "delivery_limit"} == headers.DEATH_REASONS
+
+
+@settings(max_examples=150, deadline=None)
+@given(props=_other_props, old=st.none() | _tables)
+def test_without_expiration_drops_that_property_only(
+    props: dict[int, Any], old: dict[str, Any] | None
+) -> None:
+    raw = build_raw(props, None if old is None else encode_entries(old))
+    assert headers.expiration(raw) == props.get(8)
+    dropped = headers.without_expiration(raw)
+    assert headers.expiration(dropped) is None
+    before, after = decode_properties(raw), decode_properties(dropped)
+    assert after.expiration is None
+    for name in _NAMES.values():
+        if name != "expiration":
+            assert getattr(after, name) == getattr(before, name), name
+    assert after.headers == before.headers
+    if 8 not in props:
+        assert dropped == raw  # nothing to drop: the same octets

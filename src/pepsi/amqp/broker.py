@@ -334,20 +334,23 @@ class Broker:
 
     async def _dead_letter_route(
         self, stage: str, exchange: str, routing_keys: list[str], headers: dict[str, Any] | None
-    ) -> tuple[list[str], str | None]:
+    ) -> tuple[list[str], dict[str, int]]:
         """The stages a dead letter from `stage` reaches through `exchange` (none if the
-        exchange is missing, as RabbitMQ drops it then)."""
+        exchange is missing, as RabbitMQ drops it then), and the x-message-ttl of those
+        that have one: it applies to the dead letter from its arrival there."""
         queue = self.deliverer.queues.get(stage)
         if queue is None:
-            return [], None
+            return [], {}
         view = await self.catalogue.view(queue.declaration.vhost)
         if exchange not in view.exchanges:
-            return [], None
+            return [], {}
         names: set[str] = set()
         for key in routing_keys:
             with contextlib.suppress(AMQPError):
                 names |= set(view.table.route(exchange, key, headers))
-        return sorted(view.queues[n].stage for n in names if n in view.queues), exchange
+        queues = [view.queues[n] for n in names if n in view.queues]
+        ttls = {q.stage: q.arguments.message_ttl for q in queues}
+        return sorted(q.stage for q in queues), {s: t for s, t in ttls.items() if t is not None}
 
     async def close(self) -> None:
         """After the server stopped: commit what is queued, then close the connections."""

@@ -135,6 +135,7 @@ def fetched_row(row: Sequence[Any], queue_name: str, quorum: bool = True) -> Fet
             entries["x-delivery-count"] = count
         if deaths:
             entries.update(headers.death_headers(deaths, first))
+            raw = headers.without_expiration(raw)  # RabbitMQ: in x-death's original-expiration
         raw = headers.set_headers(raw, entries)
     return Fetched(
         int(wid),
@@ -247,11 +248,12 @@ class Outcomes:
 
 
 class DeadLetterRoute(Protocol):
-    """Where the catalogue sends a dead letter: the destination stages (sorted)."""
+    """Where the catalogue sends a dead letter: the destination stages (sorted), and the
+    x-message-ttl (ms) of those whose queue has one."""
 
     async def __call__(
         self, stage: str, exchange: str, routing_keys: list[str], headers: dict[str, Any] | None
-    ) -> tuple[list[str], str | None]: ...
+    ) -> tuple[list[str], dict[str, int]]: ...
 
 
 def worth_gathering(outcomes: Outcomes, *, awaited: bool, closing: bool) -> bool:
@@ -870,12 +872,17 @@ class Deliverer:
         exchange = str(properties.get("exchange", ""))
         routing_key = str(properties.get("routing_key", ""))
         stages: list[str] = []
+        ttls: dict[str, int] = {}
         new_properties = properties
         args = queue.arguments if queue is not None else None
         deaths = list(state.get("x_death") or [])
         if not deaths and header is not None:
             with contextlib.suppress(ValueError):
                 deaths = headers.deaths_from_header(headers.header_entry(bytes(header), "x-death"))
+        expiration = None
+        if header is not None:
+            with contextlib.suppress(ValueError):
+                expiration = headers.expiration(bytes(header))
         deaths = headers.record_death(
             deaths,
             queue=queue.name if queue is not None else stage,
@@ -883,6 +890,7 @@ class Deliverer:
             exchange=exchange,
             routing_keys=[routing_key],
             now=self.clock(),
+            original_expiration=expiration,  # RabbitMQ: the property goes, the entry keeps it
         )
         new_state = {k: v for k, v in state.items() if k not in _NOT_CARRIED}
         new_state["x_death"] = deaths
@@ -896,7 +904,7 @@ class Deliverer:
             if header is not None:
                 with contextlib.suppress(ValueError):
                     decoded = framing.decode_properties(bytes(header)).headers
-            stages, _ = await self.dead_letter_route(
+            stages, ttls = await self.dead_letter_route(
                 stage, args.dead_letter_exchange, keys, decoded
             )
             # RabbitMQ's cycle rule: an automatic dead letter never returns to its own queue
@@ -909,6 +917,7 @@ class Deliverer:
         return {
             "workqueue_id": wid,
             "stages": stages,
+            "ttls": [ttls.get(s) for s in stages],  # each queue's x-message-ttl from now on
             "state": new_state,
             "properties": new_properties,
             "reason": reason,

@@ -223,6 +223,56 @@ def set_headers(raw: bytes, entries: Mapping[str, object], remove: Collection[st
     return raw[:table_at] + table + raw[end:]
 
 
+def expiration(raw: bytes) -> str | None:
+    """The `expiration` property of raw property octets (None without one)."""
+    span = _property_span(raw, EXPIRATION_BIT)
+    if span is None:
+        return None
+    start, end = span
+    return raw[start + 1 : end].decode("utf-8", "replace")
+
+
+def without_expiration(raw: bytes) -> bytes:
+    """The raw properties without `expiration` (its flag and its octets), every other
+    octet kept: RabbitMQ removes it from a message it dead-letters, which then expires
+    by its new queue's x-message-ttl only. ValueError if `raw` is malformed."""
+    span = _property_span(raw, EXPIRATION_BIT)
+    if span is None:
+        return raw
+    start, end = span
+    flags = int.from_bytes(raw[:2], "big") & ~(1 << EXPIRATION_BIT)
+    return flags.to_bytes(2, "big") + raw[2:start] + raw[end:]
+
+
+def _property_span(raw: bytes, wanted: int) -> tuple[int, int] | None:
+    """Where property `wanted` (its flag bit) lies in raw property octets, None if absent."""
+    end = len(raw)
+    if end < 2:
+        raise ValueError("malformed properties: shorter than the flag word")
+    flags = int.from_bytes(raw[:2], "big")
+    if not flags & (1 << wanted):
+        return None
+    pos = 2
+    walker = _Walker(raw)
+    try:
+        for bit, kind in _LAYOUT:
+            if not flags & (1 << bit):
+                continue
+            start = pos
+            if kind == _SHORTSTR:
+                pos = walker.shortstr(pos, end)
+            elif kind == _TABLE:
+                pos = walker.longstr(pos, end)
+            else:
+                assert isinstance(kind, int)
+                pos = walker.need(pos, kind, end)
+            if bit == wanted:
+                return start, pos
+    except _Malformed as error:
+        raise ValueError(f"malformed properties: {error}") from None
+    return None
+
+
 def header_entry(raw: bytes, name: str) -> object | None:
     """The decoded value of header `name` in raw properties (None if absent).
 

@@ -796,12 +796,15 @@ SELECT (SELECT count(*) FROM acked), (SELECT count(*) FROM returned),
 -- delivery): each running row is copied to the stages its queue's dead-letter
 -- exchange routes it to (new rows, so they join those queues at the tail, sharing
 -- the body), with the x-death history in state and the new exchange and routing
--- key in properties, and the original is deleted. A row routed nowhere (no
+-- key in properties, and the original is deleted; a copy expires by its queue's
+-- x-message-ttl from now (ttls, ms, aligned with stages; null: none), not by the
+-- expiry it had (RabbitMQ removes the expiration property). A row routed nowhere (no
 -- dead-letter exchange, or it routes to no queue) is kept as failed, with the
 -- reason, where RabbitMQ would drop it: Pepsi loses nothing silently.
 WITH d AS (
     SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb)
-        AS d(workqueue_id bigint, stages text[], state jsonb, properties jsonb, reason text)
+        AS d(workqueue_id bigint, stages text[], ttls bigint[], state jsonb, properties jsonb,
+             reason text)
 ), src AS (
     SELECT w.* FROM pepsi.workqueue w JOIN d USING (workqueue_id)
     WHERE w.status = 'running'
@@ -809,12 +812,13 @@ WITH d AS (
 ), copies AS (
     INSERT INTO pepsi.workqueue (stage, message_id, sender, recipients, origin_user,
                                  origin_peer, header_from, subject, content_type,
-                                 correlation_id, properties, state, body_id)
+                                 correlation_id, properties, state, body_id, expires)
     SELECT s.stage, src.message_id, src.sender, src.recipients, src.origin_user,
            src.origin_peer, src.header_from, src.subject, src.content_type,
-           src.correlation_id, d.properties, d.state, src.body_id
+           src.correlation_id, d.properties, d.state, src.body_id,
+           now() + s.ttl * interval '1 millisecond'
     FROM src JOIN d USING (workqueue_id)
-    CROSS JOIN LATERAL unnest(d.stages) WITH ORDINALITY AS s(stage, n)
+    CROSS JOIN LATERAL unnest(d.stages, d.ttls) WITH ORDINALITY AS s(stage, ttl, n)
     ORDER BY src.workqueue_id, s.n
     RETURNING 1
 ), moved AS (
