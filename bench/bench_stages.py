@@ -25,3 +25,11 @@ def _notifier() -> psycopg.Connection[Any]:
 @stage()
 def finish_notify(msg: Message) -> None:
     _notifier().execute("SELECT pg_notify('bench_done', %s)", (str(msg.id),))
+
+
+@stage()
+def slow(msg: Message) -> None:
+    """20 ms of work, then NEXT: messages are in flight whenever the benchmark looks."""
+    import time  # noqa: PLC0415
+
+    time.sleep(0.02)

@@ -1,6 +1,8 @@
-"""What quorum replication costs a confirm: three nodes vs one, interleaved in one run.
+"""What quorum replication costs a confirm: three nodes vs one, interleaved in one run;
+and, with --failover, Pepsi's own share of a failover.
 
     .venv/bin/python bench/cluster.py [--messages 2000] [--reps 3] [--dir DIR]
+    .venv/bin/python bench/cluster.py --failover [--dir DIR]
 
 One node: the embedded default database (PostgreSQL 18, synchronous_commit
 on). Three nodes: a `pepsi cluster` (the same PostgreSQL 18 under Patroni,
@@ -10,26 +12,39 @@ machine, over loopback: the cost measured is the standby's round trip and
 fsync, not a network's. Confirmed publishes, 1 KB bodies: one message per
 call, and publish_many in batches of 100; reps alternate between the
 targets. Prints one JSON document and a summary line.
+
+--failover: a dispatcher (its defaults: DB_ERROR_PAUSE 30 s) runs a two-stage
+pipeline of 20 ms stages with 2 000 messages queued; the primary's host is
+killed (SIGKILL of Patroni and PostgreSQL) while workers hold messages. Printed:
+the promotion (after the kill), then from the promotion: the first message
+finished on the new primary, the messages the workers held at the kill all
+finished (Pepsi's share of the failover), and the queue drained (the rest of
+the backlog's own time besides).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import psycopg
 from common import scratch_database
 
 from pepsi.cluster.harness import Cluster
-from pepsi.cluster.layout import Layout
+from pepsi.cluster.layout import NODES, Layout
 from pepsi.config import load_config
 from pepsi.publishing import OutgoingMessage, Publisher
 
 DB = "pepsi_bench_cluster"
+HERE = Path(__file__).resolve().parent
 BODY = b"x" * 1024
 CONF = "[stage-inbound]\nHANDLER = bench_stages:noop\n"
 
@@ -49,6 +64,104 @@ def rate(dsn: str, conf: Path, messages: int, batch: int) -> float:
         return messages / (time.perf_counter() - start)
 
 
+FAILOVER_CONF = (
+    "[stage-a]\nHANDLER = bench_stages:slow\nNEXT = b\n[stage-b]\nHANDLER = bench_stages:slow\n"
+)
+
+
+def promoted(cluster: Cluster, old: str) -> bool:
+    """Whether a survivor answers as a primary."""
+    for node in NODES:
+        if node == old:
+            continue
+        try:
+            with psycopg.connect(cluster.layout.node_dsn(node, "postgres"), connect_timeout=1) as c:
+                row = c.execute("SELECT pg_is_in_recovery()").fetchone()
+        except psycopg.Error:
+            continue
+        if row is not None and not row[0]:
+            return True
+    return False
+
+
+def queue(dsn: str) -> int | None:
+    """The rows left on the primary; None while there is none."""
+    try:
+        with psycopg.connect(dsn, connect_timeout=1, autocommit=True) as conn:
+            row = conn.execute("SELECT count(*) FROM pepsi.workqueue").fetchone()
+    except psycopg.Error:
+        return None
+    return int(row[0]) if row else None
+
+
+def gone(dsn: str, ids: list[int]) -> bool:
+    """Whether none of `ids` is left on the primary (False while there is none)."""
+    try:
+        with psycopg.connect(dsn, connect_timeout=1, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT NOT EXISTS (SELECT 1 FROM pepsi.workqueue WHERE workqueue_id = ANY(%s))",
+                (ids,),
+            ).fetchone()
+    except psycopg.Error:
+        return False
+    return bool(row and row[0])
+
+
+def failover(cluster: Cluster, tmp: Path) -> dict[str, float]:
+    dsn = scratch_database(DB, cluster.layout.dsn("postgres"))
+    conf = tmp / "failover.conf"
+    conf.write_text(FAILOVER_CONF)
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PEPSI_DSN": dsn, "PYTHONPATH": path}
+    log = tmp / "dispatch.log"
+    with log.open("wb") as out:
+        dispatcher = subprocess.Popen(
+            [sys.executable, "-m", "pepsi", "-c", str(conf), "dispatch", "serve"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    try:
+        with Publisher(load_config(conf), dsn) as publisher:
+            publisher.publish_many([OutgoingMessage("a", b"x")] * 2000)
+        while (left := queue(dsn)) is None or left > 1900:  # in flight, a backlog behind
+            time.sleep(0.05)
+        with psycopg.connect(dsn, autocommit=True) as conn:  # what workers hold at the kill
+            held = [int(r[0]) for r in conn.execute(
+                "SELECT workqueue_id FROM pepsi.workqueue WHERE status = 'running'"
+            )]  # fmt: skip
+        old = cluster.kill_primary()
+        killed = time.monotonic()
+        while not promoted(cluster, old):
+            time.sleep(0.05)
+        promotion = time.monotonic()
+        first_done: float | None = None
+        held_done: float | None = None
+        start_left: int | None = None
+        while True:
+            if held_done is None and gone(dsn, held):
+                held_done = time.monotonic()
+            left = queue(dsn)
+            if left is not None:
+                start_left = left if start_left is None else start_left
+                if first_done is None and left < start_left:
+                    first_done = time.monotonic()
+                if left == 0:
+                    break
+            time.sleep(0.05)
+        drained = time.monotonic()
+    finally:
+        dispatcher.send_signal(signal.SIGTERM)
+        dispatcher.wait(60)
+    return {
+        "promotion_after_kill_s": round(promotion - killed, 2),
+        "first_finished_after_promotion_s": round((first_done or drained) - promotion, 2),
+        "held_at_kill": float(len(held)),
+        "held_finished_after_promotion_s": round((held_done or drained) - promotion, 2),
+        "drained_after_promotion_s": round(drained - promotion, 2),
+        "left_at_promotion": float(start_left or 0),
+        "paused_30s_lines": float(log.read_text().count("paused 30s")),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -56,7 +169,34 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="an existing `pepsi cluster`")
+    parser.add_argument(
+        "--failover", action="store_true", help="measure Pepsi's share of a failover instead"
+    )
     args = parser.parse_args()
+    if args.failover:
+        with tempfile.TemporaryDirectory() as tmp:
+            if args.dir is not None:
+                cluster = Cluster.open(args.dir)
+                cluster.start()
+            else:
+                cluster = Cluster(Layout(Path(tmp) / "cluster", 54700))
+                cluster.create()
+                cluster.start()
+            try:
+                result = failover(cluster, Path(tmp))
+            finally:
+                if args.dir is None:
+                    cluster.destroy()
+        print(json.dumps(result, indent=2))
+        print(
+            f"SUMMARY failover: new primary {result['promotion_after_kill_s']}s after the kill; "
+            f"then the first message finished after {result['first_finished_after_promotion_s']}s, "
+            f"the {result['held_at_kill']:.0f} held at the kill after "
+            f"{result['held_finished_after_promotion_s']}s, "
+            f"and the queue ({result['left_at_promotion']:.0f} left) drained after "
+            f"{result['drained_after_promotion_s']}s"
+        )
+        return 0
     one_node = scratch_database(DB)
     with tempfile.TemporaryDirectory() as tmp:
         if args.dir is not None:

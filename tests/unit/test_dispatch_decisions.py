@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pepsi.config import DispatchOptions
 from pepsi.dispatch import decisions
 from pepsi.dispatch.decisions import (
     Exit,
@@ -19,6 +20,7 @@ from pepsi.dispatch.decisions import (
     Struck,
     WorkerFacts,
 )
+from pepsi.dispatch.rows import pause_after_74
 from pepsi.errors import EX_CONFIG, EX_IOERR, EX_TEMPFAIL
 
 RULES = PoolRules(limit=4, max_runtime=10.0, max_messages=100, ready_timeout=60.0, idle_timeout=5.0)
@@ -283,3 +285,12 @@ def test_a_wakeup_without_an_event_is_the_poll_or_another_timer() -> None:
     assert decisions.wakeup_causes(set(), now=5.0, next_poll=5.0) == {"poll"}
     assert decisions.wakeup_causes(set(), now=4.0, next_poll=5.0) == {"timer"}
     assert decisions.wakeup_causes({"notify", "worker"}, 9.0, 5.0) == {"notify", "worker"}
+
+
+def test_a_74_pauses_db_error_pause_but_briefly_once_the_database_is_back() -> None:
+    options = DispatchOptions(db_error_pause=30.0, reconnect_max_delay=1.0)
+    assert pause_after_74(options, now=100.0, back_at=None) == 30.0  # never seen away
+    assert pause_after_74(options, now=100.0, back_at=95.0) == 1.0  # it just came back
+    assert pause_after_74(options, now=130.0, back_at=95.0) == 30.0  # long since
+    short = DispatchOptions(db_error_pause=0.5, reconnect_max_delay=1.0)
+    assert pause_after_74(short, now=100.0, back_at=99.9) == 0.5  # never longer than asked

@@ -403,7 +403,9 @@ class Dispatcher:
         )  # fmt: skip
 
     async def _restore(self, conn: AConn) -> None:
-        """On a new connection: write what waited, then reset rows nobody holds (P-2)."""
+        """On a new connection: what paused for the database goes on, what waited is
+        written, then rows nobody holds are reset (P-2)."""
+        await self.rows.database_back(conn, self.clock())
         await self.rows.flush(conn, self.clock())
         held = self.supervisor.held() + self.ledger.held()
         if self.amqp_broker is not None:

@@ -6,6 +6,15 @@ first", P-4), on its one connection. When the database is away they stay
 queued: requeues and strikes until it returns, 74 pauses for about
 DB_ERROR_PAUSE, after which the row is left running for the reset that
 follows a reconnect or a restart (W-4).
+
+A 74 pause (DB_ERROR_PAUSE, the manual's 30 s) keeps a stage from hammering
+a database that is down. Once the dispatcher has seen the database back (its
+own reconnect), that reason is gone: the pauses it still holds become
+requeues, the 74 pauses already written are resumed (`database_back`), and
+for DB_ERROR_PAUSE after it a 74 pauses only RECONNECT_MAX_DELAY
+(`pause_after_74`): a worker that lost its connection in the failover
+reconnects before its next batch. Pepsi's share of a failover is then about a
+second, not DB_ERROR_PAUSE.
 """
 
 from __future__ import annotations
@@ -24,7 +33,16 @@ from pepsi.durations import format_seconds
 log = logging.getLogger("pepsi.dispatch")
 
 MAX_STRIKES = 3  # R-8's delivery limit: the third crash or hang ends the message
+DB_LOST = "database connection lost while processing"  # a 74 pause's last_error
 AConn = psycopg.AsyncConnection[tuple[Any, ...]]
+
+
+def pause_after_74(options: DispatchOptions, now: float, back_at: float | None) -> float:
+    """How long a message whose worker lost the database pauses: DB_ERROR_PAUSE, or
+    RECONNECT_MAX_DELAY within DB_ERROR_PAUSE of the dispatcher seeing the database back."""
+    if back_at is not None and now - back_at < options.db_error_pause:
+        return min(options.reconnect_max_delay, options.db_error_pause)
+    return options.db_error_pause
 
 
 def strike_delays(first: float, max_strikes: int = MAX_STRIKES) -> list[float]:
@@ -53,6 +71,7 @@ class RowWriter:
     requeues: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
     pauses: list[DbPause] = field(default_factory=list)
     strikes: list[Strike] = field(default_factory=list)
+    back_at: float | None = None  # when the dispatcher last saw the database come back
 
     def requeue(self, stage: str, ids: Any) -> None:
         self.requeues[stage].extend(ids)
@@ -116,12 +135,12 @@ class RowWriter:
         for pause in pauses:
             by_stage[pause.stage].append(pause)
         for stage, items in by_stage.items():
-            seconds = self.options.db_error_pause
+            seconds = pause_after_74(self.options, now, self.back_at)
             try:
                 await conn.execute(
                     query("workqueue_pause_if_running"),
                     {"ids": [p.wid for p in items], "stage": stage, "seconds": seconds,
-                     "reason": "database connection lost while processing"},
+                     "reason": DB_LOST},
                 )  # fmt: skip
             except BaseException:
                 self.pauses.extend(pauses)  # this stage's and those not yet written
@@ -142,6 +161,24 @@ class RowWriter:
                 self.requeues[stage].extend(ids)
                 raise
         return soonest
+
+    async def database_back(self, conn: AConn, now: float) -> None:
+        """The dispatcher has the database again (a reconnect): what paused for its absence
+        goes on now. Queued 74 pauses become requeues; written ones are resumed."""
+        self.back_at = now
+        held, self.pauses = self.pauses, []
+        for pause in held:
+            self.requeues[pause.stage].append(pause.wid)
+        cur = await conn.execute(
+            query("workqueue_resume_db_paused"),
+            {"reason": DB_LOST, "within": self.options.db_error_pause},
+        )
+        resumed = len(held) + max(cur.rowcount, 0)
+        if resumed:
+            log.info(
+                "%d messages whose workers lost the database go on now (the database is back)",
+                resumed,
+            )
 
     def give_up_pauses(self, now: float) -> None:
         """While the database is away: forget 74 pauses older than about DB_ERROR_PAUSE."""

@@ -291,6 +291,15 @@ SET status = 'paused',
     state = state || jsonb_build_object('last_error', %(reason)s::text)
 WHERE workqueue_id = ANY(%(ids)s::bigint[]) AND status = 'running' AND stage = %(stage)s;
 
+-- name: workqueue_resume_db_paused
+-- W-4: the database is back (the dispatcher reconnected): the messages paused because
+-- their worker lost it go on now, not at the end of DB_ERROR_PAUSE (only pauses due
+-- within it, on workqueue_paused_idx).
+UPDATE pepsi.workqueue
+SET status = 'pending', timeout = NULL
+WHERE status = 'paused' AND timeout <= now() + make_interval(secs => %(within)s)
+  AND state->>'last_error' = %(reason)s;
+
 -- name: workqueue_bounce_failed
 SELECT pepsi.workqueue_bounce_failed(%(stages)s::text[], %(sink)s, %(max_rows)s);
 
