@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 
+from pepsi.admin import serving
 from pepsi.admin.connection import open_current
 from pepsi.admin.horizon import read_oldest
 from pepsi.admin.queue import count_by_stage_status
@@ -71,6 +72,7 @@ def read_sample(
         stage = str(name).removeprefix(WORKER_PREFIX)
         workers[stage] = workers.get(stage, 0) + int(n)
     holder = conn.execute(query("dispatcher_lock_holder")).fetchone()  # reads pg_locks only
+    _, serves = serving.served(conn) if holder is not None else (None, None)
     return Sample(
         now=now,
         counts=counts,
@@ -81,6 +83,7 @@ def read_sample(
         dispatcher_since=None if holder is None else holder[4],
         counts_age=counts_age,
         horizon=read_oldest(conn),
+        serves=serves,
     )
 
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from pepsi.admin import serving
+
 if TYPE_CHECKING:
     from pepsi.admin.horizon import Holder
     from pepsi.admin.live import LiveView
@@ -77,6 +79,7 @@ class Sample:
     dispatcher_since: datetime | None = None  # when that backend connected
     counts_age: float = 0.0  # seconds since `counts` were read (a slow count is not redone)
     horizon: Holder | None = None  # the oldest transaction holding back vacuum
+    serves: frozenset[str] | None = None  # the stages the dispatcher serves; None: not known
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,7 @@ class Frame:
     counts_age: float = 0.0
     horizon: Holder | None = None  # the oldest transaction holding back vacuum
     rates_source: str = STATS  # STATS or LIVE
+    unserved: tuple[tuple[str, int], ...] = ()  # (stage, pending) the dispatcher does not serve
 
     @property
     def dispatcher_running(self) -> bool:
@@ -133,6 +137,7 @@ class Frame:
                 "last_flush": None if self.last_flush is None else self.last_flush.isoformat(),
                 "flush_age_s": _round(age),
             },
+            "unserved": [{"stage": stage, "pending": n} for stage, n in self.unserved],
             "stages": [
                 {
                     "stage": row.stage,
@@ -237,6 +242,13 @@ def frame(
         stages=tuple(rows),
         counts_age=current.counts_age,
         horizon=current.horizon,
+        unserved=tuple(
+            serving.unserved(
+                {stage: c.get("pending", 0) for stage, c in current.counts.items()},
+                current.serves,
+                running=current.dispatcher_pid is not None,
+            )
+        ),
     )
 
 

@@ -26,7 +26,7 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
-from pepsi.admin import horizon, queue
+from pepsi.admin import horizon, queue, serving
 from pepsi.admin.connection import open_current
 from pepsi.commands import Context, summary
 from pepsi.errors import EX_OK, QueueError, RepairRefused
@@ -96,13 +96,17 @@ def run_status(args: argparse.Namespace, ctx: Context) -> int:
     threshold = horizon.warn_after()  # before connecting: a bad value is the caller's mistake
     with open_current(ctx.config()) as conn:
         read = queue.status(conn)
+        dispatcher, serves = serving.served(conn)
     holder = read.horizon
+    pending = {s.stage: s.counts.get("pending", 0) for s in read.stages}
+    unserved = serving.unserved(pending, serves, running=dispatcher is not None)
     data: dict[str, Any] = {
         "stages": [_stage_data(s) for s in read.stages],
         "failures": [asdict(f) for f in read.failures],
         "oldest_transaction": None
         if holder is None
         else {**holder.as_dict(), "late": horizon.is_late(holder, threshold)},
+        "unserved": [{"stage": stage, "pending": n} for stage, n in unserved],
     }
     if args.json:
         _emit(data)
@@ -130,6 +134,9 @@ def run_status(args: argparse.Namespace, ctx: Context) -> int:
     warning = horizon.warning(holder, threshold)  # a line only past the threshold
     if warning is not None:
         out.print(warning, style="bold yellow", markup=False, highlight=False, soft_wrap=True)
+    for stage, n in unserved:
+        line = "warning: " + serving.describe(stage, n)
+        out.print(line, style="bold yellow", markup=False, highlight=False, soft_wrap=True)
     return EX_OK
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from pepsi.admin import activity, horizon
+from pepsi.admin import activity, horizon, serving
 from pepsi.admin.live import WINDOW, LiveListener
 from pepsi.admin.top import LIVE, RATED, Frame, with_live
 from pepsi.commands import Context, summary
@@ -267,6 +267,8 @@ def render(
     if warning is not None:  # highlight the age in the header, and say what to do
         top.highlight_words([horizon_part(item)], style="bold reverse red")
         top.append("\n" + warning, style="bold red")
+    for stage, pending in item.unserved:
+        top.append("\nwarning: " + serving.describe(stage, pending), style="bold yellow")
     return Group(
         top,
         body,

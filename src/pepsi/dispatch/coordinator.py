@@ -397,6 +397,7 @@ class Dispatcher:
         self.sweeper.options = replace(self.sweeper.options, stages=tuple(config.stages.values()))
         retiring = self.supervisor.reconfigure(self.config)
         await self.supervisor.terminate(retiring)  # nothing runs the old table after this
+        await self.session.record_stages(list(self.supervisor.pools))
         log.info(
             "configuration reloaded: %d stages (%s); %d workers retired",
             len(config.stages), changes.describe(), len(retiring),

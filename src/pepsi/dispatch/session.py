@@ -92,7 +92,13 @@ class Session:
         cur = await self.conn.execute(query("workqueue_reset_running"))
         if cur.rowcount:
             log.warning("reset %d leftover running rows to pending (P-2)", cur.rowcount)
+        await self.record_stages(stage_names)
         log.info("dispatching %d stages: %s", len(stage_names), ", ".join(stage_names) or "(none)")
+
+    async def record_stages(self, stage_names: list[str]) -> None:
+        """Say which stages this dispatcher serves (pepsi.admin.serving reads it)."""
+        assert self.conn is not None
+        await self.conn.execute(query("dispatch_serves_set"), {"stages": stage_names})
 
     async def reconnect(self, restore: Callable[[AConn], Awaitable[None]]) -> bool:
         """Reconnect and re-lock, backing off; `restore` runs on the new connection.

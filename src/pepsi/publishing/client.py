@@ -36,6 +36,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from pepsi import telemetry
+from pepsi.admin import serving
 from pepsi.config import (
     Config,
     OverlayRow,
@@ -182,6 +183,24 @@ class _Core:
         self.confirm_timeout = _confirm_timeout(confirm_timeout, None)
         self.retry = retrying.policy(retry, None)
         self.recovering = False  # a connection was lost and none has worked since
+        self.unserved: set[str] = set()  # stages the running dispatcher does not serve, unsaid
+
+    def _note_served(self, served: tuple[int | None, frozenset[str] | None]) -> None:
+        """At open: the configured stages the running dispatcher does not serve."""
+        pid, serves = served
+        stages = dict.fromkeys(self.base.stages, 1)
+        self.unserved = {s for s, _ in serving.unserved(stages, serves, running=pid is not None)}
+
+    def _warn_unserved(self, items: Sequence[OutgoingMessage]) -> None:
+        """Once per stage: a publish to a stage the running dispatcher does not serve."""
+        for stage in self.unserved & {m.stage for m in items}:
+            self.unserved.discard(stage)
+            log.warning(
+                "publishing to stage %s, which the running dispatcher does not serve (its "
+                "configuration has no [stage-%s]): the messages wait there",
+                stage,
+                stage,
+            )
 
     def _options(
         self, confirm_timeout: float | None, retry: Retry | bool | None, connection: object
@@ -282,6 +301,7 @@ class Publisher(_Core):
         try:
             with self.pool.connection() as conn:
                 self._refresh(conn)
+                self._note_served(serving.served(conn))
         except psycopg.Error as exc:
             self.pool.close()
             raise _domain(exc) from exc
@@ -334,6 +354,8 @@ class Publisher(_Core):
         items = list(messages)
         if not items:
             return []
+        if self.unserved:
+            self._warn_unserved(items)
         timeout, rule = self._options(confirm_timeout, retry, connection)
         if rule is not None:
             items = retrying.idempotent(items)
@@ -518,6 +540,7 @@ class AsyncPublisher(_Core):
         try:
             async with self.pool.connection() as conn:
                 await self._refresh(conn)
+                self._note_served(await serving.served_async(conn))
         except psycopg.Error as exc:
             await self.pool.close()
             raise _domain(exc) from exc
@@ -580,6 +603,8 @@ class AsyncPublisher(_Core):
         if not items:
             return []
         self._require_open()
+        if self.unserved:
+            self._warn_unserved(items)
         timeout, rule = self._options(confirm_timeout, retry, connection)
         if rule is not None:
             items = retrying.idempotent(items)

@@ -492,6 +492,15 @@ SELECT pg_advisory_xact_lock(hashtext('pepsi.schema'));
 -- `pepsi top`: the cumulative counters it turns into rates (one row per stage).
 SELECT stage, processed, failed, finished, advanced, retries, strikes FROM pepsi.stage_stats;
 
+-- name: dispatch_serves_set
+-- The stages this dispatcher serves (its configuration's), at its start and each reload.
+INSERT INTO pepsi.dispatch_stats AS d (name, serves) VALUES ('pepsi-dispatch', %(stages)s)
+ON CONFLICT (name) DO UPDATE SET serves = EXCLUDED.serves;
+
+-- name: dispatch_serves_get
+-- The stages the (last) dispatcher said it serves; no row, or NULL: not known.
+SELECT serves FROM pepsi.dispatch_stats WHERE name = 'pepsi-dispatch';
+
 -- name: stats_dispatch_latest
 -- `pepsi top`: claim counters and the last flush, with the server's clock so the
 -- flush age does not depend on the client's; one row even before any flush.

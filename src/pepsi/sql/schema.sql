@@ -252,7 +252,8 @@ CREATE TABLE pepsi.dispatch_stats (
     wakeups_poll       bigint NOT NULL DEFAULT 0,   -- the POLL_INTERVAL heartbeat
     wakeups_timer      bigint NOT NULL DEFAULT 0,   -- a deadline: paused row due, MAX_RUNTIME, idle worker
     workers_retired    bigint NOT NULL DEFAULT 0,   -- stopped on purpose: idle, recycled, shutdown
-    backpressure_events bigint NOT NULL DEFAULT 0   -- 75 answers: a stage's cap halved
+    backpressure_events bigint NOT NULL DEFAULT 0,  -- 75 answers: a stage's cap halved
+    serves             text[]                       -- its configuration's stages (0021)
 );
 
 -- The throughput chart's history (the web console): per minute and stage, what

@@ -35,7 +35,7 @@ from typing import Any
 import psycopg
 from aiohttp import web
 
-from pepsi.admin import top
+from pepsi.admin import serving, top
 from pepsi.admin.activity import Counted, count_queue, read_sample
 from pepsi.admin.horizon import HORIZON_WARN_AFTER, warn_after, warning
 from pepsi.admin.live import AsyncLiveListener, LiveRates, LiveView
@@ -433,6 +433,10 @@ def warnings(sample: top.Sample, dispatcher: Any) -> list[Notice]:
     out.extend(backpressure(dispatcher))
     if sample.dispatcher_pid is None and dispatcher is None:
         out.append(Notice("dispatcher", "no dispatcher is running: nothing is processed"))
+    pending = {stage: c.get("pending", 0) for stage, c in sample.counts.items()}
+    running = sample.dispatcher_pid is not None or dispatcher is not None
+    for stage, n in serving.unserved(pending, sample.serves, running=running):
+        out.append(Notice("unserved", serving.describe(stage, n)))
     return out
 
 
