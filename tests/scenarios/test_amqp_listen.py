@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from typing import Any
 
 import pika
+import pika.exceptions
 import pytest
 
 from pepsi.admin import amqp_users
@@ -116,3 +118,51 @@ def test_the_pipeline_and_the_broker_are_one_system(pipeline: Pipeline) -> None:
     connection.close()
     assert dispatcher.stop() == 0
     assert "Traceback" not in dispatcher.log
+
+
+def test_a_restart_of_the_broker_deletes_non_durable_and_exclusive_queues(
+    pipeline: Pipeline,
+) -> None:
+    """As RabbitMQ (and the reliability lesson's restart section): after a restart, a
+    non-durable queue is gone (a passive declare: 404), and so is an exclusive one; a
+    durable queue keeps its messages, transient ones too (stronger than RabbitMQ's
+    classic queues: docs/amqp.md)."""
+    amqp_users.add_user(pipeline.db, "app", "app-secret")
+    amqp_users.set_permissions(pipeline.db, "app", ".*", ".*", ".*")
+    port = free_port()
+    pipeline.configure(STAGES + f"[pepsi-amqp]\nLISTEN = 127.0.0.1:{port}\n")
+    parameters = pika.ConnectionParameters(
+        "127.0.0.1", port, credentials=pika.PlainCredentials("app", "app-secret")
+    )
+
+    def listening(dispatcher: Any) -> None:
+        wait_until(lambda: f"amqp listening on 127.0.0.1:{port}" in dispatcher.log, what="AMQP")
+
+    first = pipeline.start()
+    listening(first)
+    connection = pika.BlockingConnection(parameters)
+    channel = connection.channel()
+    channel.confirm_delivery()
+    channel.queue_declare("kept", durable=True)
+    channel.queue_declare("fleeting", durable=False)
+    channel.queue_declare("mine", durable=True, exclusive=True)
+    for queue in ("kept", "fleeting"):
+        channel.basic_publish("", queue, b"persistent", pika.BasicProperties(delivery_mode=2))
+        channel.basic_publish("", queue, b"transient", pika.BasicProperties(delivery_mode=1))
+    assert first.stop() == 0  # the broker goes while the client is still connected
+    with contextlib.suppress(pika.exceptions.AMQPError):
+        connection.process_data_events(time_limit=1)  # the server's connection.close
+    if connection.is_open:
+        connection.close()
+    second = pipeline.start()
+    listening(second)
+    assert "transient queue 'fleeting' in '/' deleted at start (2 messages)" in second.log
+    with pika.BlockingConnection(parameters) as again:
+        channel = again.channel()
+        assert channel.queue_declare("kept", durable=True, passive=True).method.message_count == 2
+        for queue in ("fleeting", "mine"):
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker) as gone:
+                channel.queue_declare(queue, passive=True)
+            assert gone.value.reply_code == 404
+            channel = again.channel()
+    assert second.stop() == 0

@@ -282,6 +282,20 @@ class Broker:
 
         connection.task.add_done_callback(gone)
 
+    async def drop_transient(self) -> None:
+        """At the broker's start: the queues that do not outlive a restart go, with their
+        messages, as RabbitMQ's: non-durable ones, and exclusive ones (their connection
+        is gone). A durable queue keeps every message, transient ones included."""
+        for vhost, name in await self.catalogue.transient_queues():
+            try:
+                count = await self.delete_queue(vhost, name)
+            except AMQPError:
+                log.warning("amqp: could not delete transient queue %r in %r", name, vhost)
+                continue
+            log.info(
+                "amqp: transient queue %r in %r deleted at start (%d messages)", name, vhost, count
+            )
+
     async def declare_entries(self) -> None:
         """The queues of [pepsi-amqp] STAGES, in vhost / (durable, as every queue)."""
         view = await self.catalogue.view("/")

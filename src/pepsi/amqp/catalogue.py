@@ -316,6 +316,13 @@ class Catalogue:
     async def purge_queue(self, stage: str) -> int:
         return await self._scalar("amqp_queue_purge", {"stage": stage})
 
+    async def transient_queues(self) -> list[tuple[str, str]]:
+        """(vhost, name) of every queue that does not outlive the broker: not durable, or
+        exclusive."""
+        async with self._session() as conn:
+            cur = await conn.execute(query("amqp_queue_transient"))
+            return [(str(v), str(n)) for v, n in await cur.fetchall()]
+
     async def delete_queue(self, vhost: str, name: str, sources: list[str]) -> int:
         """Delete the queue and its stage's rows; how many rows went."""
         async with self._session(write=vhost) as conn:

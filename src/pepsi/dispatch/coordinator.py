@@ -237,6 +237,7 @@ class Dispatcher:
         self.amqp_broker.deliverer.link = _AmqpLink(self)
         # AMQP publishes are written by this process: they wake this loop, not NOTIFY (P-3)
         self.amqp_broker.batcher.on_committed = lambda: self.wake("notify")
+        await self.amqp_broker.drop_transient()
         await self.amqp_broker.declare_entries()
         try:
             server = await amqp_server.serve(

@@ -868,6 +868,10 @@ FROM pepsi.workqueue w
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running'
 FOR UPDATE OF w;
 
+-- name: amqp_queue_transient
+-- The queues that do not outlive a restart of the broker: non-durable, or exclusive.
+SELECT vhost, name FROM pepsi.amqp_queue WHERE NOT durable OR exclusive ORDER BY vhost, name;
+
 -- name: amqp_expiry_queues
 -- The AMQP expiry service's pass (pepsi.amqp.expiry): every vhost's queues, and how long
 -- ago (ms, the database's clock) each was declared, for x-expires.
