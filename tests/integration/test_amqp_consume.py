@@ -409,6 +409,23 @@ def test_closing_a_channel_puts_its_deliveries_back_in_order_before_close_ok(
     assert bodies == [b"m1", b"m2", b"m3"]
 
 
+def test_closing_a_connection_puts_its_deliveries_back_before_close_ok(
+    amqp: Callable[[], pika.BlockingConnection],
+) -> None:
+    """As RabbitMQ: once connection.close-ok arrives, a passive declare counts them."""
+    watcher = amqp().channel()
+    watcher.queue_declare("held")
+    publish(watcher, "held", [b"m1", b"m2", b"m3"])
+    connection = amqp()
+    consumer = connection.channel()
+    consumer.basic_qos(prefetch_count=2)
+    got: list[Message] = []
+    consumer.basic_consume("held", lambda ch, m, p, b: got.append((m, p, b)))
+    receive(connection, got, 2, "two deliveries")
+    connection.close()  # two unacked, the third maybe read ahead
+    assert watcher.queue_declare("held", passive=True).method.message_count == 3
+
+
 def test_update_secret_is_accepted_and_the_connection_goes_on(
     amqp: Callable[[], pika.BlockingConnection],
 ) -> None:
