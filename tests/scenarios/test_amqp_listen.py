@@ -166,3 +166,53 @@ def test_a_restart_of_the_broker_deletes_non_durable_and_exclusive_queues(
             assert gone.value.reply_code == 404
             channel = again.channel()
     assert second.stop() == 0
+
+
+def test_an_amqp_publish_into_a_stage_obeys_its_max_length(
+    pipeline: Pipeline, tmp_path: Any
+) -> None:
+    """[pepsi-amqp] STAGES: the stage's MAX_LENGTH (reject-publish) refuses an AMQP publish
+    as any other (a nack), and its OVERFLOW = drop-head pushes the oldest out."""
+    amqp_users.add_user(pipeline.db, "app", "app-secret")
+    amqp_users.set_permissions(pipeline.db, "app", ".*", ".*", ".*")
+    port = free_port()
+    # the gate is closed: the stages' workers refuse to start, and the stages rest
+    # START_COOLDOWN after that; their messages wait, pending, meanwhile
+    pipeline.extra_env["PEPSI_TEST_GATE"] = str(tmp_path / "gate")
+    pipeline.configure(
+        "[stage-held]\nHANDLER = tests.gate_stage:run\nMAX_LENGTH = 2\n"
+        "[stage-rolling]\nHANDLER = tests.gate_stage:run\nMAX_LENGTH = 2\n"
+        "OVERFLOW = drop-head\n"
+        f"[pepsi-amqp]\nLISTEN = 127.0.0.1:{port}\nSTAGES = held, rolling\n",
+        START_COOLDOWN="60s",
+    )
+    dispatcher = pipeline.start()
+    wait_until(lambda: f"amqp listening on 127.0.0.1:{port}" in dispatcher.log, what="listener")
+    parameters = pika.ConnectionParameters(
+        "127.0.0.1", port, credentials=pika.PlainCredentials("app", "app-secret")
+    )
+
+    def pending(stage: str) -> list[bytes]:
+        rows = pipeline.db.execute(
+            "SELECT b.body FROM pepsi.workqueue w JOIN pepsi.workqueue_body b USING (body_id)"
+            " WHERE w.stage = %s AND w.status = 'pending' ORDER BY w.workqueue_id",
+            (stage,),
+        ).fetchall()
+        return [bytes(r[0]) for r in rows]
+
+    with pika.BlockingConnection(parameters) as connection:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        channel.basic_publish("", "held", b"0")
+        channel.basic_publish("", "rolling", b"0")
+        for stage in ("held", "rolling"):  # claimed, refused, back to pending; resting now
+            wait_until(lambda s=stage: f"stage {s}: worker pid" in dispatcher.log
+                       and pending(s) == [b"0"], what=f"{stage} to rest")  # fmt: skip
+        channel.basic_publish("", "held", b"1")
+        channel.basic_publish("", "rolling", b"1")
+        with pytest.raises(pika.exceptions.NackError):
+            channel.basic_publish("", "held", b"2")  # full: refused, as a Python publish is
+        channel.basic_publish("", "rolling", b"2")  # drop-head: 0 goes
+    assert pending("held") == [b"0", b"1"]
+    assert pending("rolling") == [b"1", b"2"]
+    assert dispatcher.stop() == 0

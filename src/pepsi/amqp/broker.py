@@ -245,9 +245,17 @@ class _Confirms:
 class Broker:
     """Exchanges, queues and publishing over PostgreSQL (see the module doc)."""
 
-    def __init__(self, dsn: str, connect_timeout: float, entries: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        connect_timeout: float,
+        entries: tuple[str, ...] = (),
+        entry_limits: Mapping[str, tuple[int, bool]] | None = None,
+    ) -> None:
         self.entries = entries  # [pepsi-amqp] STAGES: stages that are queues of vhost /
-        self.catalogue = Catalogue(dsn, connect_timeout, {name: name for name in entries})
+        self.catalogue = Catalogue(
+            dsn, connect_timeout, {name: name for name in entries}, entry_limits
+        )
         self.batcher = Batcher(dsn, connect_timeout)
         self.deliverer = Deliverer(dsn, connect_timeout)
         self.deliverer.dead_letter_route = self._dead_letter_route

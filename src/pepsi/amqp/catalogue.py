@@ -47,6 +47,9 @@ class Queue:
 
     declaration: QueueDeclaration
     stage: str
+    # a stage of [pepsi-amqp] STAGES: its [stage-NAME] MAX_LENGTH and OVERFLOW, which
+    # every publish obeys, AMQP's included (its declaration carries no x-max-length)
+    stage_limit: tuple[int, bool] | None = None
 
     @property
     def name(self) -> str:
@@ -69,6 +72,8 @@ class Queue:
     @property
     def limit(self) -> tuple[int, bool] | None:
         """(MAX_LENGTH, drop-head?) as the publish function enforces it; None: no limit."""
+        if self.stage_limit is not None:
+            return self.stage_limit
         args = self.arguments
         if args.max_length is None:
             return None
@@ -123,13 +128,18 @@ class Catalogue:
     """Reads and writes of exchanges, queues and bindings; a cached view per vhost."""
 
     def __init__(
-        self, dsn: str, connect_timeout: float, entries: Mapping[str, str] | None = None
+        self,
+        dsn: str,
+        connect_timeout: float,
+        entries: Mapping[str, str] | None = None,
+        entry_limits: Mapping[str, tuple[int, bool]] | None = None,
     ) -> None:
         self.dsn = dsn
         self.connect_timeout = connect_timeout
         # Queues of vhost / that are stages of the configuration ([pepsi-amqp] STAGES):
         # name -> stage. Their messages are rows at that stage, for its workers.
         self.entries: Mapping[str, str] = dict(entries or {})
+        self.entry_limits: Mapping[str, tuple[int, bool]] = dict(entry_limits or {})
         self._conn: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
         self._lock = asyncio.Lock()  # one statement (or transaction) at a time
         self._views: dict[str, VhostView] = {}
@@ -224,6 +234,7 @@ class Catalogue:
                 str(n): Queue(
                     QueueDeclaration(str(n), vhost, bool(d), bool(x), bool(a), args or {}),
                     self.entries.get(str(n), str(s)) if vhost == "/" else str(s),
+                    self.entry_limits.get(str(n)) if vhost == "/" else None,
                 )
                 for n, s, d, x, a, args in queues
             },

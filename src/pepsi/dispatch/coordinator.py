@@ -27,7 +27,7 @@ import psycopg
 from pepsi.admin.horizon import Probe
 from pepsi.amqp import server as amqp_server
 from pepsi.amqp.broker import Broker as AmqpBroker
-from pepsi.config import Config
+from pepsi.config import Config, Overflow
 from pepsi.config.values import host_port
 from pepsi.dispatch import decisions, fairness, reload
 from pepsi.dispatch.claimer import Claimer
@@ -231,9 +231,15 @@ class Dispatcher:
         options = self.config.amqp
         if options.listen is None:
             return None
+        limits = {  # a stage of STAGES keeps its MAX_LENGTH and OVERFLOW for AMQP publishes
+            name: (stage.max_length, stage.overflow is Overflow.DROP_HEAD)
+            for name in options.stages
+            if (stage := self.config.stages.get(name)) is not None and stage.max_length is not None
+        }
         self.amqp_broker = AmqpBroker(
-            self.dsn, self.config.postgres.connect_timeout, entries=options.stages
-        )
+            self.dsn, self.config.postgres.connect_timeout, entries=options.stages,
+            entry_limits=limits,
+        )  # fmt: skip
         self.amqp_broker.deliverer.link = _AmqpLink(self)
         # AMQP publishes are written by this process: they wake this loop, not NOTIFY (P-3)
         self.amqp_broker.batcher.on_committed = lambda: self.wake("notify")
