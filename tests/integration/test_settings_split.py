@@ -36,6 +36,14 @@ MAX_LIFETIME = 1h
 HANDLER = tests.stages:noop
 [stage-dead]
 HANDLER = tests.stages:noop
+[stage-tag]
+PROGRAM = pepsi-stage-set
+SET = seen=yes
+[stage-route]
+PROGRAM = pepsi-stage-if
+IF = sender ~ "@vip\\.org$"
+THEN = a
+ELSE = b
 """
 
 
@@ -186,6 +194,12 @@ def test_settings_set_get_list_delete(cli: Callable[..., tuple[int, str, str]]) 
     assert cli("get", "bob@example.org") == (0, "", "")
     assert cli("delete", "carol@example.org")[1] == "1 removed\n"
     assert cli("list") == (0, "", "")
+    # a built-in's own keys, and a domain's entry
+    code, out, _ = cli("set", "vip.org", "tag.SET=seen=no, vip=true", "route.THEN=dead")
+    assert (code, sorted(out.splitlines())) == (
+        0,
+        ["vip.org route.THEN = dead", "vip.org tag.SET = seen=no, vip=true"],
+    )
 
 
 @pytest.mark.parametrize(
@@ -194,7 +208,12 @@ def test_settings_set_get_list_delete(cli: Callable[..., tuple[int, str, str]]) 
         (("set", "a b@x", "a.RETRY_DELAY=1s"), "not an address: 'a b@x'"),
         (("set", "x@y", "nostage.RETRY_DELAY=1s"), "[stage-nostage] no such stage"),
         (("set", "x@y", "a.COLOUR=red"), "[stage-a] unknown key COLOUR"),
-        (("set", "x@y", "a.NEXT=b"), "[stage-a] NEXT cannot be set per address"),
+        (("set", "x@y", "a.NEXT=b"), "[stage-a] NEXT cannot be set per address: it shapes"),
+        (("set", "x@y", "tag.PARALLELISM=2"), "[stage-tag] PARALLELISM cannot be set per "),
+        (("set", "x@y", "tag.SET=strikes=1"), "state.strikes is Pepsi's own bookkeeping"),
+        (("set", "x@y", "route.THEN=nowhere"), "[stage-route] THEN: no stage named 'nowhere'"),
+        (("set", "x@y", "route.IF=sender ~"), "[stage-route] IF: "),
+        (("set", "x@y", "a.SET=x=1"), "[stage-a] unknown key SET for [stage-a]"),
         (("set", "x@y", "a.RETRY_DELAY=soon"), "[stage-a] RETRY_DELAY: "),
         (("set", "x@y", "a.BOUNCE_STAGE=nowhere"), "no stage named 'nowhere'"),
         (("set", "x@y", "a.RETRY_DELAY"), "expected STAGE.KEY=VALUE, got 'a.RETRY_DELAY'"),
@@ -393,11 +412,27 @@ def test_an_override_can_make_the_stage_fail(
     }
 
 
-def test_a_stored_option_that_no_longer_parses_is_ignored_with_a_warning(
-    conn: Conn, make_runner: Callable[[StageFunc], StageRunner], caplog: pytest.LogCaptureFixture
+def test_an_override_that_no_longer_fits_fails_that_message_only(
+    conn: Conn, make_runner: Callable[[StageFunc], StageRunner]
 ) -> None:
+    """The manual: an override that makes the stage's section unusable is a permanent
+    error for that message, not for the stage. A recipient with one is split off and
+    fails when its row runs; the others run."""
     override(conn, "a@x", {"BOUNCE_STAGE": "gone", "RETRY_DELAY": "5s"})
     wid = running(conn, ["a@x"])
     make_runner(record).run_batch([wid])
-    assert ran == [(wid, ("a@x",), 5.0, 3600.0, None)]
-    assert "per-address option ignored: a@x: BOUNCE_STAGE: no stage named 'gone'" in caplog.text
+    assert ran == []
+    ((_, stage, status, _, state, _),) = rows(conn)
+    assert (stage, status, state["failure_class"]) == ("a", "failed", "permanent")
+    assert state["last_error"] == "per-address settings: BOUNCE_STAGE: no stage named 'gone'"
+    conn.execute("DELETE FROM pepsi.workqueue")
+    both = running(conn, ["b@x", "a@x"])
+    runner = make_runner(record)
+    runner.run_batch([both])
+    assert ran == [(both, ("b@x",), 60.0, 3600.0, None)]  # b@x ran; a@x went on a row of its own
+    (clone,) = [r[0] for r in rows(conn) if r[0] != both]
+    conn.execute("UPDATE pepsi.workqueue SET status = 'running' WHERE workqueue_id = %s", (clone,))
+    runner.run_batch([clone])
+    assert [(r[0], r[2], r[4].get("failure_class")) for r in rows(conn) if r[0] == clone] == [
+        (clone, "failed", "permanent")
+    ]

@@ -109,3 +109,38 @@ def test_a_split_followed_by_a_sigkill_loses_nothing_and_doubles_nothing(
     assert len(ids) == 3
     assert pipeline.effects() == {(i, "b"): 1 for i in ids}
     assert pipeline.scalar("SELECT count(*) FROM pepsi.workqueue_body") == 0
+
+
+def test_a_builtins_own_option_per_recipient_domain(pipeline: Pipeline) -> None:
+    """Issue 33: any option a stage reads per message, a built-in's own included (here
+    pepsi-stage-set's SET), per address or per domain; a message whose recipients
+    resolve differently is split, each part written under its own options."""
+    pipeline.configure(
+        "[stage-tag]\nPROGRAM = pepsi-stage-set\nSET = tier=standard\nNEXT = park\n"
+        "[stage-park]\nHANDLER = tests.stages:park\n"
+    )
+    pipeline.db.execute(
+        "INSERT INTO pepsi.settings (address, stage, options) VALUES"
+        " ('vip.org', 'tag', '{\"SET\": \"tier=gold\"}'),"
+        " ('boss@vip.org', 'tag', '{\"SET\": \"tier=platinum\"}')"
+    )
+    pipeline.publish(
+        "tag", recipients=["a@plain.net", "ann@vip.org", "Boss@VIP.org", "bob@vip.org"]
+    )
+    pipeline.start()
+    wait_until(
+        lambda: pipeline.scalar("SELECT count(*) FROM pepsi.workqueue WHERE stage = 'park'"
+                                " AND status = 'paused'") == 3,
+        what="the three parts parked",
+    )  # fmt: skip
+    parts = sorted(
+        (r[0], list(r[1]))
+        for r in pipeline.db.execute(
+            "SELECT state->>'tier', recipients FROM pepsi.workqueue WHERE stage = 'park'"
+        )
+    )
+    assert parts == [
+        ("gold", ["ann@vip.org", "bob@vip.org"]),
+        ("platinum", ["Boss@VIP.org"]),
+        ("standard", ["a@plain.net"]),
+    ]

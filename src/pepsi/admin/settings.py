@@ -26,7 +26,7 @@ import psycopg
 from pepsi.config import Config, StageConfig, read_overlay, with_overlay
 from pepsi.db.queries import query
 from pepsi.errors import UsageError
-from pepsi.worker.settings import normalise_address, parse_option
+from pepsi.worker.settings import normalise_address, parse_option, parse_overrides
 
 Connection = psycopg.Connection[Any]
 
@@ -80,10 +80,14 @@ def parse_assignments(
         if stage not in stages:
             raise UsageError(f"[stage-{stage}] no such stage in the configuration")
         try:
-            parse_option(key, value, stages)
+            parse_option(key, value, stages[stage], stages)
         except ValueError as exc:
             raise UsageError(f"[stage-{stage}] {exc}") from None
         parsed.setdefault(stage, {})[key] = value.strip()
+    for stage, options in parsed.items():  # together, over the section: as a worker lays them
+        _, problem = parse_overrides(options, stages[stage], stages)
+        if problem is not None:
+            raise UsageError(f"[stage-{stage}] {problem}")
     return parsed
 
 

@@ -157,6 +157,9 @@ class StageConfig:
     # parsed at load (a frozen object of `pepsi.stages.options`).
     builtin: str | None = None
     builtin_options: Any = None
+    # the built-in's own keys as parsed from the section, (attr, value) sorted: what a
+    # per-address override is laid over before the options are built again (W-9)
+    builtin_values: tuple[tuple[str, Any], ...] = ()
 
     @property
     def routes(self) -> tuple[tuple[str, str], ...]:

@@ -382,6 +382,7 @@ def _builtin_values(
         "handler": builtin.handler,  # the unified `pepsi` program hosts it, as a HANDLER
         "builtin": builtin.name,
         "builtin_options": options,
+        "builtin_values": tuple(sorted(own.items())),
     }
 
 

@@ -61,8 +61,8 @@ WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.sta
 -- As workqueue_load_running, for a stage that has per-address overrides
 -- (W-9): each row also carries the overrides of its correspondent at this
 -- stage, {address: options} (NULL: none), the envelope sender for a
--- state.local_origin message, else each recipient, lower-cased (one primary
--- key probe per address); and whether the stage still has any override.
+-- state.local_origin message, else each recipient, lower-cased, and its domain's
+-- entry (two primary key probes per address); and whether the stage still has any.
 SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
        w.origin_user, host(w.origin_peer), w.header_from, w.subject, w.content_type,
        w.correlation_id, w.properties, w.state, w.sender_key, w.body_id,
@@ -74,9 +74,11 @@ SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
         FROM pepsi.settings s
         WHERE s.stage = %(stage)s
           AND s.address = ANY (ARRAY(
-              SELECT lower(a) FROM unnest(
+              SELECT k FROM unnest(
                   CASE WHEN w.state -> 'local_origin' = 'true'::jsonb
-                       THEN ARRAY[w.sender] ELSE w.recipients END) AS a))) AS overrides,
+                       THEN ARRAY[w.sender] ELSE w.recipients END) AS a,
+                  LATERAL (VALUES (lower(a)), (lower(split_part(a, '@', -1)))) AS v(k)
+              WHERE k <> ''))) AS overrides,
        EXISTS (SELECT 1 FROM pepsi.settings s WHERE s.stage = %(stage)s) AS any_override,
        w.xmin::text AS token
 FROM pepsi.workqueue w

@@ -13,7 +13,7 @@ from pepsi.mail import dkim
 from pepsi.stage import Advance, Message, Needs, stage
 from pepsi.stages.mail_options import DkimOptions, read_secret
 
-_SIGNERS: dict[str, dkim.Signer] = {}
+_SIGNERS: dict[DkimOptions, dkim.Signer] = {}  # by options: a selector or key per address
 
 dkim.install()
 
@@ -27,11 +27,11 @@ def run(msg: Message) -> Advance:
 
 
 def _signer(config: StageConfig) -> dkim.Signer:
-    signer = _SIGNERS.get(config.name)
+    options: DkimOptions = config.builtin_options
+    signer = _SIGNERS.get(options)
     if signer is None:
-        options: DkimOptions = config.builtin_options
         pem = read_secret("KEY_FILE", options.key_file)
-        signer = _SIGNERS[config.name] = dkim.Signer(
+        signer = _SIGNERS[options] = dkim.Signer(
             options.domain, options.selector, pem, options.headers
         )
     return signer

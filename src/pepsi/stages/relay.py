@@ -34,7 +34,9 @@ class _Route:
     resolver: Resolver | None  # to_internet: DNS answers cached for their TTL
 
 
-_ROUTES: dict[str, _Route] = {}  # by stage: a worker runs one stage, this is for tests
+# by stage and options: a worker runs one stage, but per-address settings (W-9) may give
+# some messages another smarthost, port or TLS, each with its own connections
+_ROUTES: dict[tuple[str, RelayOptions], _Route] = {}
 
 
 @stage(Needs.BODY)
@@ -77,9 +79,9 @@ def _require_recipients(msg: Message) -> None:
 
 
 def _route(config: StageConfig) -> _Route:
-    route = _ROUTES.get(config.name)
+    options: RelayOptions = config.builtin_options
+    route = _ROUTES.get((config.name, options))
     if route is None:
-        options: RelayOptions = config.builtin_options
         client = Client(
             helo=options.helo,
             connect_timeout=options.connect_timeout,
@@ -94,7 +96,7 @@ def _route(config: StageConfig) -> _Route:
             )
         else:
             resolver = mx.make_resolver(options.nameservers)
-        route = _ROUTES[config.name] = _Route(client, smarthost, resolver)
+        route = _ROUTES[(config.name, options)] = _Route(client, smarthost, resolver)
     return route
 
 

@@ -16,15 +16,15 @@ from pepsi.mail import srs
 from pepsi.stage import Advance, Message, stage
 from pepsi.stages.mail_options import SrsOptions
 
-_SECRETS: dict[str, bytes] = {}
+_SECRETS: dict[SrsOptions, bytes] = {}  # by options: per-address settings may differ
 
 
 @stage
 def run(msg: Message) -> Advance:
     options: SrsOptions = msg.options.builtin_options
-    secret = _SECRETS.get(msg.options.name)
+    secret = _SECRETS.get(options)
     if secret is None:
-        secret = _SECRETS[msg.options.name] = options.secret()
+        secret = _SECRETS[options] = options.secret()
     now = time.time()
     recipients = tuple(
         srs.reverse(r, options.domain, secret, now, options.max_age) or r for r in msg.recipients

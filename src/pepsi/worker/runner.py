@@ -39,7 +39,7 @@ from pepsi.errors import (
     database_exit_code,
 )
 from pepsi.protocol import Pass, format_status
-from pepsi.stage import Message, Needs, is_transactional, needs_of
+from pepsi.stage import Message, Needs, PermanentError, is_transactional, needs_of
 from pepsi.telemetry import NO_SINK, TRACEPARENT, Sink
 from pepsi.worker import edits
 from pepsi.worker.fusion import fusable, may_fuse
@@ -108,6 +108,7 @@ class StageRunner:
             else {}
         )
         self.overridden: frozenset[str] = frozenset()  # stages with per-address overrides
+        self.refused: dict[int, str] = {}  # W-9: messages whose overrides cannot be used
         self.handlers: dict[str, tuple[StageFunc, Needs] | None] = {}
         # Once at start, so that a worker's first batch costs what the others do;
         # if the database is gone, the first batch asks again (and answers 74/75).
@@ -277,8 +278,9 @@ class StageRunner:
                 overrides=loaded.overrides.get(wid),
                 stages=self.stages,
             )
-            for problem in plans[wid].problems:
-                self.stage_log.warning("message %d: per-address option ignored: %s", wid, problem)
+            error = plans[wid].error
+            if error is not None:  # that message fails, permanently; the stage goes on
+                self.refused[wid] = f"per-address settings: {error}"
         splits = [
             {"workqueue_id": wid, "groups": [list(g) for g in p.groups]}
             for wid, p in plans.items()
@@ -318,6 +320,8 @@ class StageRunner:
         return loaded.messages
 
     def _call(self, msg: Message, func: StageFunc | None = None) -> Any:
+        if self.refused and func is None and msg.id in self.refused:
+            raise PermanentError(self.refused.pop(msg.id))
         result = (func or self.func)(msg)
         if inspect.isawaitable(result):
             if self.loop is None:  # a fused async successor of a sync stage
