@@ -426,6 +426,31 @@ def test_closing_a_connection_puts_its_deliveries_back_before_close_ok(
     assert watcher.queue_declare("held", passive=True).method.message_count == 3
 
 
+def test_an_auto_delete_queue_goes_after_its_consumers_deliveries_are_back(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn
+) -> None:
+    """Its last consumer's connection closes with unacked deliveries: they are written
+    back, then the queue is deleted with them (done at once, the two statements could
+    deadlock on the rows and leave the queue behind, as aio-pika's test_rpc showed)."""
+    watcher = amqp().channel()
+    watcher.queue_declare("sleeper", auto_delete=True)
+    publish(watcher, "sleeper", [f"m{i}".encode() for i in range(10)])
+    connection = amqp()
+    consumer = connection.channel()
+    got: list[Message] = []
+    consumer.basic_consume("sleeper", lambda ch, m, p, b: got.append((m, p, b)))
+    receive(connection, got, 10, "ten deliveries")
+    connection.close()
+
+    def gone() -> bool:
+        row = conn.execute("SELECT count(*) FROM pepsi.amqp_queue WHERE name = 'sleeper'")
+        return row.fetchone() == (0,)
+
+    wait_until(gone, what="the auto-delete queue to go")
+    left = conn.execute("SELECT count(*) FROM pepsi.workqueue WHERE stage = 'amqp:/:sleeper'")
+    assert left.fetchone() == (0,)
+
+
 def test_update_secret_is_accepted_and_the_connection_goes_on(
     amqp: Callable[[], pika.BlockingConnection],
 ) -> None:

@@ -195,26 +195,36 @@ class ConsumingChannel(ChannelHandler):
                 framing.build_method(commands.Basic.CancelOk, consumer_tag=method.consumer_tag)
             )
 
-    def _cancel(self, consumer: Consumer) -> None:
+    def _cancel(self, consumer: Consumer, *, delete_now: bool = True) -> str | None:
         """Its unacked deliveries stay the channel's (RabbitMQ); an auto-delete queue
-        whose last consumer this was goes."""
+        whose last consumer this was goes (now, or by the caller: its name)."""
         last = self.broker.deliverer.registry.remove(consumer)
         self.broker.expiry.touch(self.vhost, consumer.queue)  # x-expires counts from now
         queue = self.broker.deliverer.queues.get(consumer.stage)
-        if last and queue is not None and queue.declaration.auto_delete:
+        if not (last and queue is not None and queue.declaration.auto_delete):
+            return None
+        if delete_now:
             self.broker.spawn(self.broker.auto_delete_queue(self.vhost, queue.name))
+        return queue.name
 
     async def consumers_closed(self) -> None:
         """The channel is gone: its consumers too, and every unacked delivery goes back,
-        written before channel.close-ok is sent (the client may look at once)."""
-        for consumer in list(self.book.consumers.values()):
-            self._cancel(consumer)
+        written before channel.close-ok is sent (the client may look at once). An
+        auto-delete queue whose last consumer went is deleted after that write: at once,
+        the two deadlocked on the same rows and the queue stayed."""
+        emptied = [
+            name
+            for consumer in list(self.book.consumers.values())
+            if (name := self._cancel(consumer, delete_now=False)) is not None
+        ]
         deliverer = self.broker.deliverer
         returned = self.book.take_all()
         deliverer.books.discard(self.book)
         if returned:
             deliverer.requeue(returned)
             await deliverer.flush()
+        for name in emptied:
+            self.broker.spawn(self.broker.auto_delete_queue(self.vhost, name))
 
     # ---- get -----------------------------------------------------------------------------
 
