@@ -359,7 +359,7 @@ def test_unacked_deliveries_are_redelivered_after_a_dispatcher_restart(
         pika.ConnectionParameters("127.0.0.1", first.port, credentials=credentials)
     )
     channel = connection.channel()
-    channel.queue_declare("durable")
+    channel.queue_declare("durable", durable=True)
     publish(channel, "durable", [b"kept"])
     assert channel.basic_get("durable")[2] == b"kept"  # unacked when the broker stops
     assert first.stop() == 0

@@ -143,6 +143,31 @@ def test_x_message_ttl_expires_every_message_of_the_queue(
                            ("brief", b"c")]  # fmt: skip
 
 
+def test_x_message_ttl_0_delivers_to_a_consumer_ready_at_once_and_expires_otherwise(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn
+) -> None:
+    """As RabbitMQ: TTL 0 means 'now or never': a consumer with room gets the message;
+    without one it is dead-lettered as expired."""
+    connection = amqp()
+    channel = open_channel(connection)
+    dead_letter_setup(channel, "now", **{"x-message-ttl": 0})
+    consumer = connection.channel()
+    consumer.basic_qos(prefetch_count=10)
+    got: list[bytes] = []
+    tag = consumer.basic_consume(
+        "now", lambda ch, m, p, body: (got.append(body), ch.basic_ack(m.delivery_tag))
+    )
+    publish(channel, "now", [b"a", b"b", b"c"])
+    wait_until(lambda: connection.process_data_events(time_limit=0.05) or len(got) == 3,
+               what="three deliveries")  # fmt: skip
+    assert sorted(got) == [b"a", b"b", b"c"]
+    assert rows(conn, "dead") == {}
+    consumer.basic_cancel(tag)
+    publish(channel, "now", [b"nobody"])
+    wait_until(lambda: rows(conn, "dead") == {"pending": 1}, what="the expired one")
+    assert_expired_letter(channel, "now", b"nobody")
+
+
 def test_x_message_ttl_sets_the_sooner_of_the_two_expiries_at_publish(
     amqp: Callable[[], pika.BlockingConnection], conn: Conn
 ) -> None:
@@ -227,7 +252,8 @@ def test_the_x_expires_timer_starts_again_with_the_broker(dsn: str, users: Conn)
     first = DispatcherThread(dsn)
     try:
         connection = connect(first)
-        connection.channel().queue_declare("old", arguments={"x-expires": 5000})
+        # durable: a transient queue would not outlive the broker at all
+        connection.channel().queue_declare("old", durable=True, arguments={"x-expires": 5000})
         connection.close()
     finally:
         assert first.stop() == 0

@@ -70,7 +70,10 @@ def test_live_rates_while_busy_and_before_any_statistics_flush(pipeline: Pipelin
             assert (view.dispatch["claimed"] or 0) > 0
             # the rate did not come from the tables: the dispatcher has written nothing
             assert pipeline.scalar("SELECT count(*) FROM pepsi.stage_stats") == 0
-            assert pipeline.scalar("SELECT count(*) FROM pepsi.dispatch_stats") == 0
+            # (its start wrote the stages it serves, no counter)
+            assert (
+                pipeline.scalar("SELECT coalesce(sum(claimed), 0) FROM pepsi.dispatch_stats") == 0
+            )
 
             # pepsi top shows the live rates, and says so
             assert top.stdout is not None

@@ -42,13 +42,28 @@ def conf(tmp_path: Path) -> Path:
 
 
 def terminate_publishers(dsn: str) -> int:
-    """End every publisher session of this database, as a failover does; how many."""
+    """End every publisher session of this database, as a failover does; how many. It
+    returns once they are gone (pg_terminate_backend only signals them): their goodbye
+    is on the sockets by then."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE application_name = 'pepsi-publish' AND datname = current_database()"
-        ).fetchall()
-    return len(rows)
+        pids = [
+            int(r[0])
+            for r in conn.execute(
+                "SELECT pid FROM pg_stat_activity"
+                " WHERE application_name = 'pepsi-publish' AND datname = current_database()"
+            )
+        ]
+        for pid in pids:
+            conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_until(
+            lambda: (
+                not conn.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)
+                ).fetchone()
+            ),
+            what="the terminated sessions to end",
+        )
+    return len(pids)
 
 
 def rows(dsn: str) -> list[tuple[int, str | None]]:

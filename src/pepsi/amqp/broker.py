@@ -152,6 +152,11 @@ class Route(NamedTuple):
     plain: tuple[str, ...] | None
 
 
+# x-message-ttl = 0: with a consumer ready at publish, the message has this long to reach
+# it (the commit, the claim and the send take milliseconds); else it expires at once
+ZERO_TTL_DELIVERY_MS = 1000
+
+
 def plain_stages(view: VhostView, queues: list[str]) -> tuple[str, ...] | None:
     stages = []
     for name in queues:
@@ -984,6 +989,8 @@ class BrokerChannel(ConsumingChannel):
                 rows.append(Row._make((queue.stage, *tail)))
             else:  # x-message-ttl: the sooner of the two expiries; a tuple of its own
                 now = now or dt.datetime.now(dt.UTC)
+                if ttl == 0 and self.broker.deliverer.takes_now(queue.stage):
+                    ttl = ZERO_TTL_DELIVERY_MS  # a consumer takes it at once, as RabbitMQ's
                 own = (*tail[:11], ttl_expires(expires, ttl, now), *tail[12:])
                 rows.append(Row._make((queue.stage, *own)))
             if queue.limit is not None:

@@ -492,6 +492,18 @@ class Deliverer:
         for stage in stages:
             self.pump(stage)
 
+    def takes_now(self, stage: str) -> bool:
+        """Whether a message published to `stage` now would go straight to a consumer:
+        its consumers have room for it beyond what is read ahead or loading before it
+        (RabbitMQ's x-message-ttl = 0 delivers then, and only then)."""
+        ahead = len(self.ready.get(stage, ())) + self._loading.get(stage, 0)
+        room = 0
+        for consumer in self.registry.of(stage):
+            room += consumer.credit()
+            if room > ahead:
+                return True
+        return False
+
     def ready_count(self, stage: str) -> int:
         """The stage's messages that are ready to AMQP though claimed: read ahead, or
         claimed for its consumers and still being loaded (`running` in SQL, and no client
