@@ -17,6 +17,7 @@ from pepsi.admin.horizon import (
     warning,
 )
 from pepsi.admin.top import (
+    RECENT,
     DispatchCounters,
     Sample,
     StageCounters,
@@ -91,6 +92,24 @@ def test_first_frame_has_counts_but_no_rates() -> None:
     assert set(a.rates) == {"processed", "failed", "finished", "advanced", "retries"}
     assert all(value is None for value in a.rates.values())
     assert (b.failed, b.timeout, b.workers) == (3, 4, 0)
+
+
+def test_before_a_second_flush_the_last_minutes_give_rates_at_once() -> None:
+    """Issue 33: after a burst, top showed no rates until a second flush: the per-minute
+    counts (stage_stats_minute) of the last minute and this one give some at once."""
+    first = replace(
+        sample(30.0, flushed=0.0, counts={"a": {}}),
+        recent={"a": (90, 3)},
+        recent_since=at(30.0 - 90.0),  # the minute before this one began 90 s ago
+    )
+    result = frame(anchors((), first), first, ["a"], INTERVAL)
+    assert (result.rates_source, result.window) == (RECENT, 90.0)
+    (a,) = result.stages
+    assert (a.rates["processed"], a.rates["failed"]) == (1.0, 3 / 90)
+    assert a.rates["finished"] is None  # the minutes keep processed and failed only
+    second = sample(40.0, flushed=35.0, stats={"a": StageCounters(processed=5)})
+    later = frame(*view([first, second], ["a"]), ["a"], INTERVAL)
+    assert later.rates_source != RECENT  # two flushes: their window again
 
 
 def test_rates_span_the_last_two_flushes_not_the_refreshes() -> None:

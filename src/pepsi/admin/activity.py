@@ -71,6 +71,12 @@ def read_sample(
     for name, n in conn.execute(query("activity_count_workers")):
         stage = str(name).removeprefix(WORKER_PREFIX)
         workers[stage] = workers.get(stage, 0) + int(n)
+    recent = {
+        str(stage): (int(p), int(f))
+        for stage, p, f in conn.execute(query("stats_stage_recent")).fetchall()
+        if stage is not None
+    }
+    since_row = conn.execute(query("stats_recent_since")).fetchone()
     holder = conn.execute(query("dispatcher_lock_holder")).fetchone()  # reads pg_locks only
     _, serves = serving.served(conn) if holder is not None else (None, None)
     return Sample(
@@ -84,6 +90,8 @@ def read_sample(
         counts_age=counts_age,
         horizon=read_oldest(conn),
         serves=serves,
+        recent=recent,
+        recent_since=since_row[0] if since_row and recent else None,
     )
 
 

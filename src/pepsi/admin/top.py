@@ -55,6 +55,7 @@ class StageCounters:
 RATED = ("processed", "failed", "finished", "advanced", "retries")  # shown per second
 STATS = "stats"  # Frame.rates_source: between the last two statistics flushes
 LIVE = "live"  # from the dispatcher's live snapshots
+RECENT = "recent"  # before a second flush: the last minutes' counts (stage_stats_minute)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,9 @@ class Sample:
     counts_age: float = 0.0  # seconds since `counts` were read (a slow count is not redone)
     horizon: Holder | None = None  # the oldest transaction holding back vacuum
     serves: frozenset[str] | None = None  # the stages the dispatcher serves; None: not known
+    # the last minutes' (processed, failed) per stage, and since when: rates before two flushes
+    recent: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    recent_since: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -214,6 +218,22 @@ def frame(
             return 0.0  # nothing was counted since the last flush
         return None if len(seen) < 2 else rate(counter(first), counter(last), window)
 
+    # Before a second flush (top just started, or the dispatcher flushed once after a
+    # burst): the last minutes' counts, so that something useful shows at once.
+    recent = not idle and len(seen) < 2 and current.recent_since is not None
+    if recent:
+        assert current.recent_since is not None
+        window = max((current.now - current.recent_since).total_seconds(), 1.0)
+
+    def stage_rate(stage: str, name: str) -> float | None:
+        if not recent:
+            return per_second(_stage_counter(stage, name))
+        if name not in ("processed", "failed"):
+            return None  # the minutes keep these two
+        processed, failed = current.recent.get(stage, (0, 0))
+        assert window is not None
+        return (processed if name == "processed" else failed) / window
+
     rows = []
     for stage in all_stages(current, stages):
         counts = current.counts.get(stage, {})
@@ -227,7 +247,7 @@ def frame(
                 failed=counts.get("failed", 0),
                 timeout=counts.get("timeout", 0),
                 workers=current.workers.get(stage, 0),
-                rates={name: per_second(_stage_counter(stage, name)) for name in RATED},
+                rates={name: stage_rate(stage, name) for name in RATED},
                 strikes=now.strikes,
                 retries=now.retries,
             )
@@ -242,6 +262,7 @@ def frame(
         stages=tuple(rows),
         counts_age=current.counts_age,
         horizon=current.horizon,
+        rates_source=RECENT if recent else STATS,
         unserved=tuple(
             serving.unserved(
                 {stage: c.get("pending", 0) for stage, c in current.counts.items()},

@@ -31,7 +31,7 @@ import psycopg
 
 from pepsi.admin import activity, horizon, serving
 from pepsi.admin.live import WINDOW, LiveListener
-from pepsi.admin.top import LIVE, RATED, Frame, with_live
+from pepsi.admin.top import LIVE, RATED, RECENT, Frame, with_live
 from pepsi.commands import Context, summary
 from pepsi.durations import format_duration, parse_duration
 from pepsi.errors import EX_OK, DatabaseUnavailable, UsageError, classify, one_line
@@ -191,7 +191,9 @@ def header(item: Frame) -> str:
     else:
         when = item.last_flush.astimezone().strftime("%H:%M:%S")
         parts.append(f"last stats flush {when} ({format_duration(age)} ago)")
-    source = "live" if item.rates_source == LIVE else "statistics flushes"
+    source = {LIVE: "live", RECENT: "the last minutes' statistics"}.get(
+        item.rates_source, "statistics flushes"
+    )
     if item.window is not None:
         parts.append(f"rates: {source}, over {format_duration(item.window)}")
     else:
@@ -212,6 +214,15 @@ def horizon_part(item: Frame) -> str:
 
 
 def footer(stats_interval: float, *, live: bool, source: str = "stats") -> str:
+    if source == RECENT:
+        text = (
+            "rates: per second over the last minute and this one, from the counts each "
+            "statistics flush adds to its minute (STATS_INTERVAL: "
+            f"{format_duration(stats_interval)} here), until two flushes or live snapshots "
+            "give a closer window; processed and "
+            f"failed only ({NO_RATE}: the others)."
+        )
+        return text + (" Ctrl-C quits." if live else "")
     if source == LIVE:
         text = (
             f"rates: per second over the last {format_duration(WINDOW)}, from the snapshots "

@@ -503,6 +503,17 @@ ON CONFLICT (name) DO UPDATE SET serves = EXCLUDED.serves;
 -- The stages the (last) dispatcher said it serves; no row, or NULL: not known.
 SELECT serves FROM pepsi.dispatch_stats WHERE name = 'pepsi-dispatch';
 
+-- name: stats_stage_recent
+-- `pepsi top` before a second flush: each stage's processed and failed counts of the
+-- last minute and this one (pepsi.stage_stats_minute, a range of its primary key).
+SELECT stage, sum(processed), sum(failed) FROM pepsi.stage_stats_minute
+WHERE minute >= date_trunc('minute', now()) - interval '1 minute'
+GROUP BY stage;
+
+-- name: stats_recent_since
+-- Where stats_stage_recent's counts start.
+SELECT date_trunc('minute', now()) - interval '1 minute';
+
 -- name: stats_dispatch_latest
 -- `pepsi top`: claim counters and the last flush, with the server's clock so the
 -- flush age does not depend on the client's; one row even before any flush.
