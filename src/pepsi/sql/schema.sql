@@ -329,7 +329,8 @@ LANGUAGE sql AS $$
                 'failed_stage', w.stage,
                 'failure_class', reason,
                 'dead_letter_reason', reason)
-        WHERE w.workqueue_id = ANY(ids) AND w.status = 'pending'
+        -- IS NOT DISTINCT FROM: by the primary key whatever the statistics (0022)
+        WHERE w.workqueue_id = ANY(ids) AND w.status IS NOT DISTINCT FROM 'pending'
         RETURNING 1
     )
     SELECT count(*)::integer FROM moved
@@ -775,7 +776,8 @@ AS $$
                 LIMIT s.cap
             ) c
           ))
-      AND w.status = 'pending'
+      -- IS NOT DISTINCT FROM: by the primary key whatever the statistics (0022)
+      AND w.status IS NOT DISTINCT FROM 'pending'
     RETURNING w.workqueue_id, w.stage
 $$;
 
@@ -910,7 +912,8 @@ BEGIN
     END LOOP;
     WITH claimed AS (
         UPDATE pepsi.workqueue w SET status = 'running'
-        WHERE w.workqueue_id = ANY(picked) AND w.status = 'pending'
+        -- IS NOT DISTINCT FROM: by the primary key whatever the statistics (0022)
+        WHERE w.workqueue_id = ANY(picked) AND w.status IS NOT DISTINCT FROM 'pending'
         RETURNING w.workqueue_id, w.stage, w.sender_key
     )
     SELECT coalesce(array_agg(c.workqueue_id ORDER BY c.workqueue_id), '{}'),
