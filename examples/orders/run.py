@@ -131,7 +131,7 @@ def report(
     """Print what happened at each stage; True if every order is accounted for."""
     shipped = int(str(scalar(db, "SELECT count(*) FROM demo_shipments")))
     failed_at = {
-        str(s): int(c)
+        str(s): int(str(c))
         for s, c in db.execute(
             "SELECT state->>'failed_stage', count(*) FROM pepsi.workqueue"
             " WHERE status = 'failed' AND stage = ANY(%s) GROUP BY 1",
