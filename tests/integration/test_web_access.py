@@ -65,6 +65,14 @@ def test_every_page_needs_a_login_and_a_cross_site_post_is_refused(dsn: str) -> 
             assert bad.status == 401
             assert "wrong password" in await bad.text()
         form["password"] = PASSWORD
+        for hostile in ("/\t/evil.example/x", "/\n/evil.example", "//evil.example", "/\\evil"):
+            async with http.post(
+                f"{base}/login", data={**form, "next": hostile}, headers={"Origin": base},
+                allow_redirects=False,
+            ) as redirected:  # fmt: skip
+                assert redirected.status == 303
+                assert redirected.headers["Location"] == "/"  # never another site
+            http.cookie_jar.clear()
         async with http.post(
             f"{base}/login", data=form, headers={"Origin": "http://evil.example"}
         ) as forged:

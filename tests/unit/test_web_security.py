@@ -115,3 +115,23 @@ def test_a_consoles_token_file_is_its_owners_and_goes_with_its_process(tmp_path:
     assert tokens.running(folder) == [mine]
     assert [p.name for p in folder.iterdir()] == [path.name]  # the dead one's file went
     assert tokens.link("http://h:1/", "a/b") == "http://h:1/?token=a%2Fb"
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "//evil.example/x", "/\\evil.example", "/\t/evil.example/x", "/\n/evil.example",
+        "/%09/evil.example", "/ /evil.example", "https://evil.example/", "evil.example",
+        "/a\\b", "/a\x7fb", "", None, "\t/stages", "/\u2028/evil.example",
+    ],
+)  # fmt: skip
+def test_a_redirect_target_is_a_same_site_path_or_the_default(target: str | None) -> None:
+    """Issue 34, finding 4: `/login?next=/%09/evil.example/x` passed the `/` and `//`
+    tests; the browser dropped the tab and went to //evil.example/x."""
+    expected = "/%09/evil.example" if target == "/%09/evil.example" else "/"
+    assert security.local_path(target) == expected  # percent-encoded: a path, harmless
+
+
+@pytest.mark.parametrize("target", ["/", "/stages", "/stage/a?status=failed", "/message/12#x"])
+def test_same_site_paths_go_through(target: str) -> None:
+    assert security.local_path(target, "/stages") == target

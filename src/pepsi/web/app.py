@@ -187,16 +187,15 @@ def _logged_in(console: Console, request: web.Request, target: str, user: str) -
 
 
 async def login_page(request: web.Request) -> web.StreamResponse:
-    return _login_form(console_of(request), request, request.query.get("next", "/"), None)
+    target = security.local_path(request.query.get("next"))
+    return _login_form(console_of(request), request, target, None)
 
 
 async def login(request: web.Request) -> web.StreamResponse:
     console = console_of(request)
     stored = console.config.web.password
     form = await request.post()
-    target = str(form.get("next") or "/")
-    if not target.startswith("/") or target.startswith("//"):
-        target = "/"  # never an open redirect
+    target = security.local_path(str(form.get("next") or "/"))  # never an open redirect
     if stored is None:  # the token, pasted
         if not security.token_ok(console.token, form.get(tokens.QUERY)):
             log.warning("web: wrong console token from %s", request.remote)

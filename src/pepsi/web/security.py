@@ -96,6 +96,22 @@ def same_origin(origin: str | None, referer: str | None, host: str | None, schem
     return parts.scheme == scheme and parts.netloc.lower() == host.lower()
 
 
+def local_path(target: str | None, default: str = "/") -> str:
+    """A same-site path to send a browser to (a login's `next`, a repair's way back), or
+    `default`: one `/`, then no second `/` or `\\` (a browser reads both as another
+    host), no control character and no whitespace anywhere (a browser drops a tab or a
+    newline, which turned `/%09/evil.example` into `//evil.example`)."""
+    if (
+        not target
+        or not target.startswith("/")
+        or target[1:2] in ("/", "\\")
+        or "\\" in target
+        or any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in target)
+    ):
+        return default
+    return target
+
+
 def csrf_ok(session: Session | None, submitted: str | None) -> bool:
     return (
         session is not None

@@ -20,6 +20,7 @@ from yarl import URL
 
 from pepsi.admin import queue
 from pepsi.errors import NoSuchMessage, QueueError, RepairRefused, UnknownStage
+from pepsi.web import security
 from pepsi.web.app import Console, console_of
 from pepsi.web.pages.stage import minutes
 
@@ -44,10 +45,8 @@ def _text(form: MultiDictProxy[Any], key: str) -> str:
 
 
 def safe_back(text: str) -> str:
-    """A local path to go back to: never another site."""
-    if not text.startswith("/") or text.startswith("//") or "\\" in text:
-        return "/stages"
-    return text
+    """A local path to go back to: never another site (security.local_path)."""
+    return security.local_path(text, "/stages")
 
 
 def asked(form: MultiDictProxy[Any]) -> Asked:
