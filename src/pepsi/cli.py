@@ -133,9 +133,26 @@ def version_text() -> str:
     return f"pepsi {__version__} (schema version {build_version()})"
 
 
+# C0 controls, DEL and Unicode's line breaks, as escapes: a peer's text in a log line
+# (an AMQP mechanism name, an SMTP command) cannot start a line of its own
+_CONTROLS = {
+    **{code: f"\\x{code:02x}" for code in (*range(0x20), 0x7F, 0x85)},
+    0x0A: "\\n", 0x0D: "\\r", 0x09: "\t", 0x2028: "\\u2028", 0x2029: "\\u2029",
+}  # fmt: skip
+
+
+class OneLineFormatter(logging.Formatter):
+    """Each record's message on one line: control characters escaped, whoever logged it;
+    a traceback (exc_info) is appended as it is, below."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802  # logging's name
+        record.message = record.message.translate(_CONTROLS)
+        return super().formatMessage(record)
+
+
 def setup_logging(level: str, verbose: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     if not verbose:
         handler.addFilter(lambda record: record.name.split(".")[0] == "pepsi")
     root = logging.getLogger()

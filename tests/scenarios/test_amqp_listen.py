@@ -216,3 +216,34 @@ def test_an_amqp_publish_into_a_stage_obeys_its_max_length(
     assert pending("held") == [b"0", b"1"]
     assert pending("rolling") == [b"1", b"2"]
     assert dispatcher.stop() == 0
+
+
+def test_a_peers_text_cannot_forge_a_line_of_the_dispatchers_log(pipeline: Pipeline) -> None:
+    """Issue 34, finding 9: an AMQP mechanism name with a newline wrote a fake
+    `CRITICAL … database wiped by admin` line into the dispatcher's log. Every message
+    is written on one line now, its control characters escaped."""
+    from pamqp import commands  # noqa: PLC0415
+
+    from pepsi.amqp import framing  # noqa: PLC0415
+    from tests.integration.test_amqp_connection import Raw  # noqa: PLC0415
+
+    port = free_port()
+    pipeline.configure(STAGES + f"[pepsi-amqp]\nLISTEN = 127.0.0.1:{port}\n")
+    dispatcher = pipeline.start()
+    wait_until(lambda: f"amqp listening on 127.0.0.1:{port}" in dispatcher.log, what="AMQP")
+    forged = "PLAIN\n2026-12-05 06:00:00,000 CRITICAL pepsi.dispatch: database wiped by admin"
+    client = Raw(port)
+    try:
+        client.send(framing.PROTOCOL_HEADER)
+        client.expect(commands.Connection.Start)
+        client.method(0, framing.build_method(
+            commands.Connection.StartOk, client_properties={"product": "raw"},
+            mechanism=forged, response=b"\0x\0y", locale="en_US",
+        ))  # fmt: skip
+        assert client.closed_within(10)
+    finally:
+        client.close()
+    assert dispatcher.stop() == 0
+    lines = dispatcher.log.splitlines()
+    assert not [line for line in lines if line.startswith("2026-12-05 06:00:00,000 CRITICAL")]
+    assert any("PLAIN\\n2026-12-05 06:00:00,000 CRITICAL" in line for line in lines), lines

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -268,3 +269,25 @@ def test_the_dispatcher_tunes_its_garbage_collector() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_a_log_record_is_one_line_whatever_its_arguments_hold() -> None:
+    """Issue 34, finding 9: a peer's text (an AMQP mechanism, an SMTP command) logged
+    with a newline or an escape sequence wrote lines of its own."""
+    from pepsi.cli import OneLineFormatter  # noqa: PLC0415
+
+    formatter = OneLineFormatter("%(levelname)s %(message)s")
+    record = logging.LogRecord(
+        "pepsi.amqp", logging.INFO, __file__, 1, "unknown mechanism %s",
+        ("PLAIN\n2026-12-05 CRITICAL forged\r\x1b[31m\u2028",), None,
+    )  # fmt: skip
+    assert formatter.format(record) == (
+        "INFO unknown mechanism PLAIN\\n2026-12-05 CRITICAL forged\\r\\x1b[31m\\u2028"
+    )
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        failed = logging.LogRecord(
+            "pepsi", logging.ERROR, __file__, 1, "failed", (), sys.exc_info()
+        )
+    assert formatter.format(failed).startswith("ERROR failed\nTraceback")  # kept below
