@@ -421,6 +421,23 @@ def test_permissions_are_enforced_with_rabbitmqs_403(amqp: Any, users: Conn) -> 
     ch.queue_bind("bob-q", "bob-x")
     ch.confirm_delivery()
     ch.basic_publish("bob-x", "", b"ok")
+    # issue 34, finding 3: an exchange of bob's whose alternate is alice's would take
+    # bob's messages where he may not write: refused at declare, as RabbitMQ does
+    admin.exchange_declare("alice-x", "fanout")
+    admin.queue_bind("alice-q", "alice-x")
+    ch = connection.channel()
+    text = closed_with(
+        403,
+        lambda: ch.exchange_declare(
+            "bob-sneaky", "direct", arguments={"alternate-exchange": "alice-x"}
+        ),
+    )
+    assert text == (
+        "ACCESS_REFUSED - access to exchange 'alice-x' in vhost '/' refused for user 'bob'"
+    )
+    ch = connection.channel()
+    ch.exchange_declare("bob-alt", "fanout")  # his own alternate: fine
+    ch.exchange_declare("bob-main", "direct", arguments={"alternate-exchange": "bob-alt"})
 
 
 # -- grouping and failures ------------------------------------------------------------------

@@ -505,6 +505,12 @@ class BrokerChannel(ConsumingChannel):
             existing = view.exchanges.get(name)
             if not method.passive and name:
                 self._require(Access.CONFIGURE, EXCHANGE, name)
+                alternate = requested.arguments.get("alternate-exchange")
+                if isinstance(alternate, str | bytes):  # as RabbitMQ: what reaches the
+                    # alternate is published to it by whoever may read the declared one
+                    alternate = alternate.decode() if isinstance(alternate, bytes) else alternate
+                    self._require(Access.READ, EXCHANGE, name)
+                    self._require(Access.WRITE, EXCHANGE, alternate)
             check_exchange_declare(requested, existing, passive=bool(method.passive))
             if existing is None and not method.passive:
                 await self.catalogue.declare_exchange(requested)
