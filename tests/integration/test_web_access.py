@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -19,6 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from yarl import URL
 
 from pepsi.amqp.passwords import hash_password
 from pepsi.config import Config
@@ -96,6 +98,25 @@ def test_every_page_needs_a_login_and_a_cross_site_post_is_refused(dsn: str) -> 
         async with http.post(f"{base}/logout", data={}, headers={"Origin": base}) as tokenless:
             assert tokenless.status == 403
             assert "form token" in await tokenless.text()
+        # logout ends the session on the server: a copy of the cookie is worth nothing
+        copied = http.cookie_jar.filter_cookies(URL(base))["pepsi_session"].value
+        page = await (await http.get(f"{base}/stages")).text()
+        token = re.search(r'name="csrf" value="([^"]+)"', page)
+        assert token is not None
+        async with http.post(
+            f"{base}/logout", data={"csrf": token.group(1)}, headers={"Origin": base},
+            allow_redirects=False,
+        ) as out:  # fmt: skip
+            assert out.status == 303
+        async with (
+            aiohttp.ClientSession() as replay,
+            replay.get(
+                f"{base}/stages",
+                headers={"Cookie": f"pepsi_session={copied}"},
+                allow_redirects=False,
+            ) as again,
+        ):
+            assert again.status == 303  # to the login page
 
     run(cfg, dsn, scenario)
 

@@ -30,6 +30,20 @@ def test_a_session_cookie_round_trips_and_expires() -> None:
     assert sessions.read(cookie) is None
 
 
+def test_a_logged_out_session_is_no_session_even_with_its_cookie() -> None:
+    """Issue 34, finding 7: after logout the old cookie still worked for SESSION_TTL."""
+    clock = Clock()
+    sessions = security.Sessions(60, clock, secret=b"k" * 32)
+    session, cookie = sessions.new()
+    other, other_cookie = sessions.new()
+    sessions.revoke(session)
+    assert sessions.read(cookie) is None
+    assert sessions.read(other_cookie) == other  # only that one
+    clock.now += 61
+    sessions.revoke(other)  # revoking forgets the expired ones: the list stays short
+    assert list(sessions._revoked) == [other.csrf]
+
+
 @pytest.mark.parametrize(
     "cookie", [None, "", "x", "a.b.c", "eyJ9.AAAA", "e30.forged-signature-here"]
 )

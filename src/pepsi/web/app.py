@@ -212,6 +212,9 @@ async def login(request: web.Request) -> web.StreamResponse:
 
 
 async def logout(request: web.Request) -> web.StreamResponse:
+    session = request.get(SESSION)
+    if session is not None:  # ended on the server too: a copy of the cookie is worth nothing
+        console_of(request).sessions.revoke(session)
     response = web.HTTPSeeOther("/login")
     response.del_cookie(security.COOKIE, path="/")
     raise response

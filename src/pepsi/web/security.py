@@ -55,6 +55,16 @@ class Sessions:
         self.ttl = ttl
         self.clock = clock
         self._secret = secret if secret is not None else secrets.token_bytes(32)
+        # sessions logged out before their expiry, by their CSRF token (unique to each):
+        # a copied cookie must not outlive a logout. In memory: a restart draws a new secret,
+        # which ends every session anyway.
+        self._revoked: dict[str, float] = {}
+
+    def revoke(self, session: Session) -> None:
+        """Log `session` out: its cookie reads as no session from now on."""
+        now = self.clock()
+        self._revoked = {token: exp for token, exp in self._revoked.items() if exp > now}
+        self._revoked[session.csrf] = session.expires
 
     def new(self, user: str = "admin") -> tuple[Session, str]:
         """A fresh session and its cookie value."""
@@ -77,7 +87,9 @@ class Sessions:
             session = Session(float(data["exp"]), str(data["csrf"]), str(data["user"]))
         except (ValueError, KeyError, TypeError):
             return None
-        return session if session.expires > self.clock() else None
+        if session.expires <= self.clock() or session.csrf in self._revoked:
+            return None
+        return session
 
     def _sign(self, encoded: str) -> str:
         digest = hmac.new(self._secret, encoded.encode(), hashlib.sha256).digest()
