@@ -27,6 +27,8 @@ from pepsi.config import Config
 from pepsi.config.parse import parse_config, parse_ini
 from pepsi.errors import ConfigError
 from pepsi.web import server
+from pepsi.web.app import CONSOLE
+from pepsi.web.security import LoginThrottle
 
 PASSWORD = "console-secret"
 HASH = hash_password(PASSWORD, log2_n=10)  # a cheap hash: the test checks the rules
@@ -43,6 +45,7 @@ def run(
 ) -> Any:
     async def main() -> Any:
         running = await server.start(cfg, dsn, ("127.0.0.1", 0))
+        RUNNING[:] = [running]
         try:
             jar = aiohttp.CookieJar(unsafe=True)  # keep cookies for an IP address
             async with aiohttp.ClientSession(cookie_jar=jar) as http:
@@ -51,6 +54,13 @@ def run(
             await running.stop()
 
     return asyncio.run(main())
+
+
+RUNNING: list[server.Running] = []  # the console `run` serves, for a scenario to look at
+
+
+def throttle() -> LoginThrottle:
+    return RUNNING[0].runner.app[CONSOLE].throttle
 
 
 def test_every_page_needs_a_login_and_a_cross_site_post_is_refused(dsn: str) -> None:
@@ -66,7 +76,14 @@ def test_every_page_needs_a_login_and_a_cross_site_post_is_refused(dsn: str) -> 
         async with http.post(f"{base}/login", data=form, headers={"Origin": base}) as bad:
             assert bad.status == 401
             assert "wrong password" in await bad.text()
+        # issue 34, finding 6: the next try waits (1 s, then 2, 4 … up to a minute),
+        # refused before any hashing
         form["password"] = PASSWORD
+        async with http.post(f"{base}/login", data=form, headers={"Origin": base}) as slowed:
+            assert slowed.status == 429
+            assert slowed.headers["Retry-After"] == "1"
+            assert "too many failed logins" in await slowed.text()
+        throttle().succeeded("127.0.0.1")  # as if the second had passed
         for hostile in ("/\t/evil.example/x", "/\n/evil.example", "//evil.example", "/\\evil"):
             async with http.post(
                 f"{base}/login", data={**form, "next": hostile}, headers={"Origin": base},
@@ -158,6 +175,8 @@ def test_without_a_password_nobody_gets_in_without_the_token(dsn: str) -> None:
                     assert "read-only" in text
                     assert running.token not in text
                     assert page.headers["Referrer-Policy"] == "same-origin"
+            # the wrong token above slowed this client down (1 s): as if that had passed
+            running.runner.app[CONSOLE].throttle.succeeded("127.0.0.1")
             async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
                 form = {"token": running.token, "next": "/stages"}  # pasted into the form
                 async with http.post(

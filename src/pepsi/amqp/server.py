@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -50,7 +51,10 @@ class Catalogue:
         self.connect_timeout = connect_timeout
         self._conn: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
         self._lock = asyncio.Lock()  # one statement at a time on the connection
-        self._verify = asyncio.Semaphore(VERIFY_CONCURRENCY)
+        # scrypt on threads of its own, never the loop's default executor, which config
+        # reloads and the console's reads share: a flood of logins elsewhere (the web
+        # console's) cannot queue in front of an AMQP login, nor these in front of theirs
+        self._verify = ThreadPoolExecutor(VERIFY_CONCURRENCY, thread_name_prefix="pepsi-amqp-auth")
 
     async def _fetch(self, name: str, params: dict[str, str]) -> tuple[Any, ...] | None:
         async with self._lock:
@@ -82,8 +86,8 @@ class Catalogue:
     async def login(self, credentials: Credentials, peer: str | None) -> str | None:
         row = await self._fetch("amqp_user_get", {"name": credentials.username})
         stored = None if row is None else str(row[1])
-        async with self._verify:
-            return await asyncio.to_thread(login_refusal, credentials, stored, peer)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._verify, login_refusal, credentials, stored, peer)
 
     async def vhost_permission(self, username: str, vhost: str) -> Permission:
         row = await self._fetch("amqp_vhost_exists", {"name": vhost})
@@ -112,6 +116,7 @@ class Catalogue:
     async def close(self) -> None:
         async with self._lock:
             await self._drop()
+        self._verify.shutdown(wait=False)
 
 
 def _of_user(user: str) -> Callable[[Connection], bool]:

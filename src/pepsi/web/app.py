@@ -14,7 +14,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,6 +46,14 @@ class Console:
     templates: jinja2.Environment
     dispatcher: Any = None  # the dispatcher serving this console, when it does
     token: str | None = None  # without PASSWORD: what a session is exchanged for
+    throttle: security.LoginThrottle = field(
+        default_factory=lambda: security.LoginThrottle(time.monotonic)
+    )
+    # scrypt on a thread of its own, never the loop's default executor (the dispatcher's,
+    # when it serves the console): a flood of logins cannot slow AMQP, claims or reloads
+    hashing: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="pepsi-web-auth")
+    )
 
     @property
     def read_only(self) -> bool:
@@ -196,17 +205,31 @@ async def login(request: web.Request) -> web.StreamResponse:
     stored = console.config.web.password
     form = await request.post()
     target = security.local_path(str(form.get("next") or "/"))  # never an open redirect
+    wait = console.throttle.wait(request.remote)
+    if wait > 0:  # refused before any hashing: a flood costs nothing
+        response = _login_form(
+            console, request, target, f"too many failed logins: try again in {wait:.0f} s", 429
+        )
+        response.headers["Retry-After"] = str(max(1, round(wait)))
+        return response
     if stored is None:  # the token, pasted
         if not security.token_ok(console.token, form.get(tokens.QUERY)):
+            console.throttle.failed(request.remote)
             log.warning("web: wrong console token from %s", request.remote)
             return _login_form(console, request, target, "wrong or stale token", 401)
+        console.throttle.succeeded(request.remote)
         log.info("web: token login from %s", request.remote)
         return _logged_in(console, request, target, "local")
     password = form.get("password")
-    ok = isinstance(password, str) and await asyncio.to_thread(verify, password, stored)
+    loop = asyncio.get_running_loop()
+    ok = isinstance(password, str) and await loop.run_in_executor(
+        console.hashing, verify, password, stored
+    )
     if not ok:
+        console.throttle.failed(request.remote)
         log.warning("web: failed login from %s", request.remote)
         return _login_form(console, request, target, "wrong password", 401)
+    console.throttle.succeeded(request.remote)
     log.info("web: login from %s", request.remote)
     return _logged_in(console, request, target, "admin")
 
@@ -259,6 +282,7 @@ def make_app(
         await asyncio.to_thread(pool.open, wait=False)
         yield
         await asyncio.to_thread(pool.close)
+        console.hashing.shutdown(wait=False)
 
     app.cleanup_ctx.append(lifecycle)
     return app

@@ -124,6 +124,33 @@ def local_path(target: str | None, default: str = "/") -> str:
     return target
 
 
+class LoginThrottle:
+    """Failed logins slow their client down: after the n-th failure in a row, the next
+    try is refused (429) for 2^(n-1) s, at most MAX_WAIT; a success forgets the client.
+    Refused tries hash nothing, so a flood of wrong passwords costs no CPU."""
+
+    MAX_WAIT = 60.0
+    FORGET_AFTER = 900.0  # seconds a quiet client's failures are kept
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._clients: dict[str, tuple[int, float]] = {}  # client -> (failures, allowed at)
+
+    def wait(self, client: str | None) -> float:
+        """Seconds before `client` may try again (0: now)."""
+        entry = self._clients.get(client or "")
+        return 0.0 if entry is None else max(0.0, entry[1] - self.clock())
+
+    def failed(self, client: str | None) -> None:
+        now = self.clock()
+        self._clients = {c: e for c, e in self._clients.items() if now - e[1] < self.FORGET_AFTER}
+        failures = self._clients.get(client or "", (0, now))[0] + 1
+        self._clients[client or ""] = (failures, now + min(2.0 ** (failures - 1), self.MAX_WAIT))
+
+    def succeeded(self, client: str | None) -> None:
+        self._clients.pop(client or "", None)
+
+
 def csrf_ok(session: Session | None, submitted: str | None) -> bool:
     return (
         session is not None
