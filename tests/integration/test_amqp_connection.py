@@ -23,7 +23,7 @@ from pamqp import base, commands
 
 from pepsi.admin import amqp_users
 from pepsi.amqp import framing
-from pepsi.amqp.connection import Channel, ChannelHandler, ConnectionOptions
+from pepsi.amqp.connection import Channel, ChannelHandler, ConnectionOptions, connection_refusal
 from pepsi.config.model import AmqpOptions
 from tests.integration.amqp_harness import PASSWORD, Listener, assert_no_server_bugs
 from tests.scenarios.conftest import wait_until
@@ -646,3 +646,35 @@ def test_stop_closes_open_connections_with_320(dsn: str, users: Any) -> None:
     assert close.reply_code == 320
     assert client.closed_within(5)
     client.close()
+
+
+def test_connections_are_capped_in_all_and_per_client_address(
+    dsn: str, users: psycopg.Connection[Any]
+) -> None:
+    """Issue 34, finding 10: 1 100 idle sockets made a normal login take 3 s. One more
+    connection than CLIENT_CONNECTION_LIMIT from one address, or than MAX_CONNECTIONS
+    in all, is closed at once, before anything is read; the others go on."""
+    amqp = AmqpOptions(max_connections=3, client_connection_limit=2)
+    server = Listener(dsn, ConnectionOptions(amqp, close_timeout=1.0))
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(2):
+            idle.append(socket.create_connection(("127.0.0.1", server.port)))
+        third = Raw(server.port)  # a third from 127.0.0.1: over the per-client limit
+        assert third.closed_within(5)
+        third.close()
+        for sock in idle:
+            sock.close()
+        wait_until(lambda: not server.run(lambda: len(server.server.connections)),
+                   what="the closed ones to be gone")  # fmt: skip
+        with pika.BlockingConnection(params(server)) as connection:  # room again
+            assert connection.channel().is_open
+    finally:
+        for sock in idle:
+            sock.close()
+        server.close()
+    assert connection_refusal(2, 0, max_connections=3, client_limit=2) is None
+    assert "MAX_CONNECTIONS" in (connection_refusal(3, 0, max_connections=3, client_limit=2) or "")
+    assert "CLIENT_CONNECTION_LIMIT" in (
+        connection_refusal(2, 2, max_connections=3, client_limit=2) or ""
+    )

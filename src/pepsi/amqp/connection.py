@@ -95,6 +95,23 @@ class ConnectionOptions:
 
 # --- pure decisions -------------------------------------------------------------------
 
+
+def connection_refusal(
+    open_now: int, from_client: int, *, max_connections: int, client_limit: int
+) -> str | None:
+    """Why one more connection is refused (counts without it), None if it is not: a cap
+    in all and per client address, so that idle sockets cannot exhaust the dispatcher's
+    file descriptors or its loop before any login."""
+    if open_now >= max_connections:
+        return f"{open_now} connections open, the most [pepsi-amqp] MAX_CONNECTIONS allows"
+    if from_client >= client_limit:
+        return (
+            f"{from_client} connections open from this address, the most "
+            "[pepsi-amqp] CLIENT_CONNECTION_LIMIT allows"
+        )
+    return None
+
+
 CONNECTION_CLASS: Final = 10
 _TUNE_OK: Final = commands.Connection.TuneOk.index & 0xFFFF
 
@@ -472,8 +489,10 @@ class Connection(asyncio.Protocol):
         opened: Callable[[Connection], None] = lambda _: None,
         gone: Callable[[Connection], None] = lambda _: None,
         blocked: Callable[[], str | None] = lambda: None,
+        admit: Callable[[Connection], str | None] = lambda _: None,
     ) -> None:
         self.options = options
+        self._admit = admit  # why this connection may not stay (a cap); None: it may
         self.gatekeeper = gatekeeper
         self.broker = broker
         self._opened_cb = opened
@@ -518,6 +537,13 @@ class Connection(asyncio.Protocol):
         if isinstance(peer, tuple) and peer:
             self.peer = str(peer[0])
             self.name = f"{peer[0]}:{peer[1]}" if len(peer) > 1 else str(peer[0])
+        refusal = self._admit(self)
+        if refusal is not None:  # over a cap: closed before anything is read or buffered
+            log.warning("amqp %s: connection refused: %s", self.name, refusal)
+            self.state = State.CLOSED
+            transport.abort()
+            self._gone_cb(self)
+            return
         self._timer("handshake", self.options.amqp.handshake_timeout, self._handshake_expired)
         self.task = self._loop.create_task(self._run(), name=f"amqp {self.name}")
 

@@ -24,7 +24,13 @@ from typing import Any
 import psycopg
 
 from pepsi.amqp import replies
-from pepsi.amqp.connection import Broker, Connection, ConnectionOptions, NoBroker
+from pepsi.amqp.connection import (
+    Broker,
+    Connection,
+    ConnectionOptions,
+    NoBroker,
+    connection_refusal,
+)
 from pepsi.amqp.permissions import Credentials, Permission, can_open_vhost, login_refusal
 from pepsi.db.connect import connect_async
 from pepsi.db.queries import query
@@ -149,9 +155,20 @@ class Server:
             opened=self.open.add,
             gone=self._gone,
             blocked=lambda: self.blocked_reason,
+            admit=self._admit,
         )
         self.connections.add(conn)
         return conn
+
+    def _admit(self, conn: Connection) -> str | None:
+        others = [c for c in self.connections if c is not conn]
+        amqp = self.options.amqp
+        return connection_refusal(
+            len(others),
+            sum(1 for c in others if c.peer == conn.peer),
+            max_connections=amqp.max_connections,
+            client_limit=amqp.client_connection_limit,
+        )
 
     def _gone(self, conn: Connection) -> None:
         self.connections.discard(conn)

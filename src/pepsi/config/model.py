@@ -117,6 +117,8 @@ class AmqpOptions:
     handshake_timeout: float = 10.0  # accept to connection.open-ok
     max_message_size: int = 128 * MIB  # RabbitMQ's max_message_size default
     stages: tuple[str, ...] = ()  # stages of the file that are also queues in vhost /
+    max_connections: int = 1000  # open at once, from all clients (before any login)
+    client_connection_limit: int = 100  # open at once from one client address
 
 
 @dataclass(frozen=True)

@@ -219,6 +219,8 @@ AMQP_KEYS: Spec = {
     "HANDSHAKE_TIMEOUT": ("handshake_timeout", v.duration(0.1)),
     "MAX_MESSAGE_SIZE": ("max_message_size", v.size(1, 512 * MIB)),
     "STAGES": ("stages", v.stage_names),
+    "MAX_CONNECTIONS": ("max_connections", v.integer(1)),
+    "CLIENT_CONNECTION_LIMIT": ("client_connection_limit", v.integer(1)),
 }
 WEB_KEYS: Spec = {
     "LISTEN": ("listen", v.listen_address),
