@@ -115,15 +115,41 @@ def test_a_prepared_transaction_is_found(prepared_dsn: str) -> None:
 
 
 def test_the_probe_reads_on_its_own_connection(conn: Any, dsn: str) -> None:
-    probe = Probe(dsn, timeout=5)
-    assert probe() is None  # the probe's own session is not a holder
-    with idle_in_transaction(dsn) as pid:
-        held_for(conn, 0.0)
-        holder = probe()
-        assert holder is not None
-        assert holder.pid == pid
+    probe = Probe(dsn, timeout=5, cache_for=0)
+    try:
+        assert probe() is None  # the probe's own session is not a holder
+        with idle_in_transaction(dsn) as pid:
+            held_for(conn, 0.0)
+            holder = probe()
+            assert holder is not None
+            assert holder.pid == pid
+    finally:
+        probe.close()
     with pytest.raises(DatabaseUnavailable, match="cannot connect"):
         Probe(NOWHERE, timeout=1)()
+
+
+def test_a_flood_of_scrapes_reads_once_on_one_session(conn: Any, dsn: str) -> None:
+    """Issue 34, finding 12: each scrape opened a PostgreSQL session. Now one session,
+    kept, and one reading every cache_for seconds however many scrapes come."""
+    now = [100.0]
+    probe = Probe(dsn, timeout=5, cache_for=5.0, clock=lambda: now[0])
+    try:
+        with idle_in_transaction(dsn) as pid:
+            held_for(conn, 0.0)
+            first = probe()
+            assert first is not None
+            assert first.pid == pid
+        for _ in range(50):  # within cache_for: the same reading, no statement
+            assert probe() == first
+        sessions = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pepsi-metrics'"
+        ).fetchone()
+        assert sessions == (1,)
+        now[0] += 5.0
+        assert probe() is None  # read again: the holder has gone
+    finally:
+        probe.close()
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -154,7 +180,7 @@ def test_the_metrics_endpoint_shows_the_age_and_the_pid(conn: Any, dsn: str) -> 
             server.close()
         return [during, after]
 
-    during, after = asyncio.run(serve_and_scrape(Probe(dsn, timeout=5)))
+    during, after = asyncio.run(serve_and_scrape(Probe(dsn, timeout=5, cache_for=0)))
     assert during["pepsi_oldest_transaction_age_seconds"] > 0.05
     assert during["pepsi_oldest_transaction_pid"] == during["pid"]
     assert after["pepsi_oldest_transaction_age_seconds"] == 0

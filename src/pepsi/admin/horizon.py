@@ -17,8 +17,11 @@ the metrics endpoint's scrape thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +37,7 @@ from pepsi.errors import ConfigError, DatabaseUnavailable, one_line
 # in the claim rate.
 HORIZON_WARN_AFTER = 60.0
 WARN_AFTER_ENV = "PEPSI_HORIZON_WARN_AFTER"  # a duration; overrides HORIZON_WARN_AFTER
+PROBE_CACHE_FOR = 5.0  # seconds a scrape's reading of the horizon is reused
 PROBE_APPLICATION_NAME = "pepsi-metrics"
 
 
@@ -127,26 +131,53 @@ def read_oldest(conn: psycopg.Connection[Any]) -> Holder | None:
     )
 
 
-@dataclass(frozen=True)
 class Probe:
-    """`read_oldest` on a connection of its own, opened per call and closed after.
+    """`read_oldest` for the metrics endpoint, on a connection of its own, kept between
+    scrapes and opened again after a failure; the answer is kept `cache_for` seconds.
 
-    For the metrics endpoint: a scrape must not wait on (or add a round trip
-    to) the dispatcher's claim connection, and a connection held between
-    scrapes would be one more for nothing. DatabaseUnavailable when it cannot
-    read: not knowing is not "nothing holds it".
+    A scrape must not wait on (or add a round trip to) the dispatcher's claim
+    connection; and a flood of scrapes must not open a PostgreSQL session each (it did:
+    a session's authentication costs the server far more than the query), nor run the
+    query each: at most one read every `cache_for` seconds, one session in all.
+    DatabaseUnavailable when it cannot read: not knowing is not "nothing holds it".
     """
 
-    dsn: str
-    timeout: float = 5.0
+    def __init__(
+        self,
+        dsn: str,
+        timeout: float = 5.0,
+        cache_for: float = PROBE_CACHE_FOR,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.dsn = dsn
+        self.timeout = timeout
+        self.cache_for = cache_for
+        self.clock = clock
+        self._conn: psycopg.Connection[Any] | None = None
+        self._cached: tuple[float, Holder | None] | None = None
+        self._lock = threading.Lock()  # scrapes come on the server's threads
 
     def __call__(self) -> Holder | None:
-        try:
-            with connect.connect(
-                self.dsn, timeout=self.timeout, application_name=PROBE_APPLICATION_NAME
-            ) as conn:
-                return read_oldest(conn)
-        except psycopg.Error as exc:
-            raise DatabaseUnavailable(
-                f"reading the oldest transaction failed: {one_line(exc)}"
-            ) from None
+        with self._lock:
+            now = self.clock()
+            if self._cached is not None and now - self._cached[0] < self.cache_for:
+                return self._cached[1]
+            try:
+                if self._conn is None or self._conn.closed or self._conn.broken:
+                    self._conn = connect.connect(
+                        self.dsn, timeout=self.timeout, application_name=PROBE_APPLICATION_NAME
+                    )
+                holder = read_oldest(self._conn)
+            except psycopg.Error as exc:
+                self.close()
+                raise DatabaseUnavailable(
+                    f"reading the oldest transaction failed: {one_line(exc)}"
+                ) from None
+            self._cached = (now, holder)
+            return holder
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()

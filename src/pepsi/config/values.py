@@ -6,6 +6,7 @@ section and key, so it says what was expected and what was found.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Callable
 from ipaddress import IPv4Network, IPv6Network, ip_network
@@ -233,3 +234,16 @@ def host_name(text: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", value):
         raise ValueError(f"not a host name: {text!r}")
     return value
+
+
+def is_loopback(host: str | None) -> bool:
+    """127.0.0.0/8, ::1, or an IPv4 loopback address mapped into IPv6."""
+    if not host:
+        return False
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host == "localhost"
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback

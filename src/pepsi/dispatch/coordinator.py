@@ -28,7 +28,7 @@ from pepsi.admin.horizon import Probe
 from pepsi.amqp import server as amqp_server
 from pepsi.amqp.broker import Broker as AmqpBroker
 from pepsi.config import Config, Overflow
-from pepsi.config.values import host_port
+from pepsi.config.values import host_port, is_loopback
 from pepsi.dispatch import decisions, fairness, reload
 from pepsi.dispatch.claimer import Claimer
 from pepsi.dispatch.flusher import StatsFlusher
@@ -211,6 +211,12 @@ class Dispatcher:
         address = self.config.dispatch.metrics_address
         if address is None:
             return None
+        if not is_loopback(address[0]):
+            log.warning(
+                "metrics at %s answer anyone who can reach that address (the endpoint has "
+                "no authentication): keep METRICS_ADDRESS on loopback, or firewall it",
+                host_port(*address),
+            )
         try:
             # the oldest transaction is read on the scrape's thread, on its own connection
             horizon = Probe(self.dsn, timeout=min(self.config.postgres.connect_timeout, 5.0))

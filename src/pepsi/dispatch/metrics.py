@@ -7,9 +7,11 @@ serves HTTP on its own thread, and that thread asks the event loop for a
 snapshot rather than reading the loop's structures while they change.
 
 One gauge needs the database: the age of the oldest transaction holding back
-vacuum (`pepsi.admin.horizon`). The scrape thread reads it on a short-lived
-connection of its own (`horizon.Probe`), never on the loop or its claim
-connection; when it cannot, the gauge is left out of that scrape.
+vacuum (`pepsi.admin.horizon`). The scrape thread reads it on a connection of
+its own (`horizon.Probe`, kept between scrapes), never on the loop or its claim
+connection, at most every 5 s (a flood of scrapes reuses the last reading);
+when it cannot, the gauge is left out of that scrape. The endpoint has no
+authentication: a METRICS_ADDRESS off loopback draws a warning at start.
 """
 
 from __future__ import annotations
@@ -200,6 +202,7 @@ class MetricsServer:
         stages: Sequence[str],
         horizon: Callable[[], Holder | None] | None = None,
     ) -> None:
+        self._horizon = horizon
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_LoopCollector(asyncio.get_running_loop(), snapshot, stages))
         if horizon is not None:
@@ -215,3 +218,6 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+        close = getattr(self._horizon, "close", None)
+        if close is not None:  # the probe's connection
+            close()

@@ -17,28 +17,16 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import ipaddress
 import json
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from pepsi.config.values import is_loopback
+
 COOKIE = "pepsi_session"
 CSRF_FIELD = "csrf"
-
-
-def is_loopback(host: str | None) -> bool:
-    """127.0.0.0/8, ::1, or an IPv4 loopback address mapped into IPv6."""
-    if not host:
-        return False
-    try:
-        address = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host == "localhost"
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from typing import Any
 from aiohttp import web
 
 from pepsi.config import Config
+from pepsi.config.values import is_loopback
 from pepsi.errors import ConfigError, PepsiError
 from pepsi.web import tokens
 from pepsi.web.app import make_app
-from pepsi.web.security import is_loopback
 
 
 @dataclass
