@@ -240,3 +240,29 @@ def test_pepsi_web_prints_its_link_and_pepsi_web_url_prints_it_again(
 def test_a_password_in_clear_is_refused_in_the_configuration() -> None:
     with pytest.raises(ConfigError, match="not a password"):
         config("PASSWORD = hunter2\n")
+
+
+def test_a_foreign_host_is_misdirected_and_a_public_url_is_the_consoles(dsn: str) -> None:
+    """Issue 34, findings 5 and 8: any Host was answered (DNS rebinding); behind a TLS
+    proxy, the https Origin was refused and the cookie never Secure."""
+    cfg = config(f"PASSWORD = {HASH}\nPUBLIC_URL = https://pepsi.example.org\n")
+
+    async def scenario(http: aiohttp.ClientSession, base: str) -> None:
+        async with http.get(
+            f"{base}/login", headers={"Host": "evil.example"}, allow_redirects=False
+        ) as rebound:
+            assert rebound.status == 421
+        async with http.get(f"{base}/login", headers={"Host": "pepsi.example.org"}) as page:
+            assert page.status == 200  # through the proxy, Host kept
+        form = {"password": PASSWORD, "next": "/"}
+        async with http.post(
+            f"{base}/login", data=form, allow_redirects=False,
+            headers={"Host": "pepsi.example.org", "Origin": "https://pepsi.example.org"},
+        ) as login:  # fmt: skip
+            assert login.status == 303
+            cookie = login.cookies["pepsi_session"]
+            assert cookie["secure"]
+
+    run(cfg, dsn, scenario)
+    with pytest.raises(ConfigError, match="PUBLIC_URL"):
+        config("PUBLIC_URL = pepsi.example.org/console\n")

@@ -170,3 +170,29 @@ def test_failed_logins_slow_their_client_down_and_a_success_forgets() -> None:
     throttle.failed("10.0.0.4")  # a quiet client's failures are forgotten on the way
     throttle.failed("10.0.0.3")
     assert throttle.wait("10.0.0.3") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("host", "allowed"),
+    [
+        ("127.0.0.1:8080", True), ("[::1]:8080", True), ("192.0.2.7", True),
+        ("localhost:8080", True), ("console.lan:8080", True), ("pepsi.example.org", True),
+        ("evil.example:8080", False), ("127.0.0.1.evil.example", False), ("", False),
+        (None, False),
+    ],
+)  # fmt: skip
+def test_the_host_must_name_this_console(host: str | None, allowed: bool) -> None:
+    """Issue 34, finding 5: a page of another site rebound to 127.0.0.1 (DNS rebinding)
+    comes with that site's name in Host: 421."""
+    public = "https://pepsi.example.org"
+    assert security.host_allowed(host, "console.lan", public) is allowed
+
+
+def test_behind_a_tls_proxy_its_public_origin_is_the_consoles() -> None:
+    """Issue 34, finding 8: an Origin https://… behind the proxy docs/web.md recommends
+    was refused (403)."""
+    public = "https://pepsi.example.org"
+    origin = "https://pepsi.example.org"
+    assert security.same_origin(origin, None, "pepsi.example.org", "http", public)
+    assert not security.same_origin(origin, None, "pepsi.example.org", "http")
+    assert not security.same_origin("https://evil.example", None, "x", "http", public)

@@ -129,6 +129,7 @@ class WebOptions:
     password: str | None = None  # a scrypt hash (`pepsi web password`); None: no login
     read_only: bool = False  # no repairs, whoever logs in
     session_ttl: float = 12 * 3600.0  # seconds a login lasts
+    public_url: str | None = None  # behind a TLS proxy: https://HOST[:PORT] the browsers use
 
 
 @dataclass(frozen=True)

@@ -227,6 +227,7 @@ WEB_KEYS: Spec = {
     "PASSWORD": ("password", v.password_hash),
     "READ_ONLY": ("read_only", v.boolean),
     "SESSION_TTL": ("session_ttl", v.duration(60.0)),
+    "PUBLIC_URL": ("public_url", v.public_url),
 }
 SECTIONS: Mapping[str, Spec] = {
     "pepsi": PEPSI_KEYS,

@@ -93,6 +93,16 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def public_url(text: str) -> str:
+    """The console's address as its browsers see it (behind a proxy): http(s)://HOST[:PORT],
+    no path; ValueError for anything else."""
+    value = text.strip().rstrip("/")
+    match = re.fullmatch(r"(https?)://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::(\d{1,5}))?", value)
+    if match is None:
+        raise ValueError(f"expected http(s)://HOST[:PORT] (no path), got {text.strip()!r}")
+    return value.lower()
+
+
 def password_hash(text: str) -> str:
     """A stored password: the scrypt string `pepsi web password` prints, never a password."""
     value = text.strip()

@@ -46,6 +46,7 @@ class Console:
     templates: jinja2.Environment
     dispatcher: Any = None  # the dispatcher serving this console, when it does
     token: str | None = None  # without PASSWORD: what a session is exchanged for
+    listen_host: str = "127.0.0.1"  # the Host check's own name (security.host_allowed)
     throttle: security.LoginThrottle = field(
         default_factory=lambda: security.LoginThrottle(time.monotonic)
     )
@@ -104,6 +105,10 @@ def console_of(request: web.Request) -> Console:
 @web.middleware
 async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     console = request.app[CONSOLE]
+    public_url = console.config.web.public_url
+    if not security.host_allowed(request.host, console.listen_host, public_url):
+        log.warning("web: request for host %r from %s refused", request.host, request.remote)
+        raise web.HTTPMisdirectedRequest(text="this console does not answer to that name")
     session = console.sessions.read(request.cookies.get(security.COOKIE))
     request[SESSION] = session
     allowed = security.access(
@@ -129,6 +134,7 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             request.headers.get("Referer"),
             request.host,
             request.scheme,
+            public_url,
         ):
             log.warning("web: cross-site POST to %s from %s refused", request.path, request.remote)
             raise web.HTTPForbidden(text="cross-site request refused")
@@ -189,7 +195,8 @@ def _logged_in(console: Console, request: web.Request, target: str, user: str) -
         max_age=int(console.config.web.session_ttl),
         httponly=True,
         samesite="Strict",
-        secure=request.secure,
+        # behind a TLS proxy the request came in plain: PUBLIC_URL says the browser's scheme
+        secure=request.secure or (console.config.web.public_url or "").startswith("https:"),
         path="/",
     )
     return response
@@ -244,7 +251,12 @@ async def logout(request: web.Request) -> web.StreamResponse:
 
 
 def make_app(
-    config: Config, dsn: str, *, dispatcher: Any = None, token: str | None = None
+    config: Config,
+    dsn: str,
+    *,
+    dispatcher: Any = None,
+    token: str | None = None,
+    listen_host: str = "127.0.0.1",
 ) -> web.Application:
     """The console; its pool opens with the app and closes with it."""
     pool: ConnectionPool[Any] = ConnectionPool(
@@ -267,6 +279,7 @@ def make_app(
         templates,
         dispatcher,
         token,
+        listen_host,
     )
     app = web.Application(middlewares=[guard], client_max_size=1024 * 1024)
     app[CONSOLE] = console

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import json
 import secrets
 from collections.abc import Callable
@@ -84,16 +85,45 @@ class Sessions:
         return base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
-def same_origin(origin: str | None, referer: str | None, host: str | None, scheme: str) -> bool:
+def same_origin(
+    origin: str | None,
+    referer: str | None,
+    host: str | None,
+    scheme: str,
+    public_url: str | None = None,
+) -> bool:
     """Whether a POST comes from the console's own pages: its Origin (or, when a
-    browser sends none, its Referer) names this scheme and host."""
-    if not host:
-        return False
+    browser sends none, its Referer) names this scheme and host, or the console's
+    PUBLIC_URL (behind a TLS proxy the browser's scheme is not the console's)."""
     source = origin if origin and origin != "null" else referer
     if not source:
         return False
     parts = urlsplit(source)
-    return parts.scheme == scheme and parts.netloc.lower() == host.lower()
+    seen = (parts.scheme, parts.netloc.lower())
+    if public_url is not None:
+        public = urlsplit(public_url)
+        if seen == (public.scheme, public.netloc.lower()):
+            return True
+    return bool(host) and seen == (scheme, (host or "").lower())
+
+
+def host_allowed(host: str | None, listen_host: str, public_url: str | None = None) -> bool:
+    """Whether a request's Host names this console: an IP address, `localhost`, the name
+    it listens on, or its PUBLIC_URL's host. A page of another site rebound to this
+    address (DNS rebinding) comes with that site's name, and is answered 421."""
+    if not host:
+        return False
+    name = urlsplit(f"//{host}").hostname or ""
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        pass
+    else:
+        return True
+    allowed = {"localhost", listen_host.strip("[]").lower()}
+    if public_url is not None:
+        allowed.add((urlsplit(public_url).hostname or "").lower())
+    return name.lower() in allowed
 
 
 def local_path(target: str | None, default: str = "/") -> str:

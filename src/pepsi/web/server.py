@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ from pepsi.config.values import is_loopback
 from pepsi.errors import ConfigError, PepsiError
 from pepsi.web import tokens
 from pepsi.web.app import make_app
+
+log = logging.getLogger("pepsi.web")
 
 
 @dataclass
@@ -66,7 +69,13 @@ async def start(
     host, port = address
     check_exposure(config, host)
     token = tokens.new_token() if config.web.password is None else None
-    app = make_app(config, dsn, dispatcher=dispatcher, token=token)
+    app = make_app(config, dsn, dispatcher=dispatcher, token=token, listen_host=host)
+    if not is_loopback(host) and not (config.web.public_url or "").startswith("https:"):
+        log.warning(
+            "web: the console at %s speaks plain HTTP off loopback: put a TLS proxy in front "
+            "and set [pepsi-web] PUBLIC_URL = https://… (docs/web.md)",
+            host,
+        )
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
