@@ -14,21 +14,25 @@ from pepsi.amqp.routing import (
     EXCHANGE,
     FANOUT,
     HEADERS,
+    MAX_TOPIC_EXCHANGE_WORDS,
+    MAX_TOPIC_WORDS,
     QUEUE,
     TOPIC,
     Binding,
     Exchange,
     RoutingTable,
-    TopicTrie,
+    TopicMatcher,
     check_binding,
     check_exchange_declare,
     check_exchange_delete,
     check_exchange_type,
+    check_new_binding,
     check_redeclare,
     predeclared,
     route,
     routing_keys,
     topic_matches,
+    topic_pattern,
     topic_words,
 )
 
@@ -188,18 +192,18 @@ def test_topic_words() -> None:
     assert topic_words(".") == ("", "")
 
 
-def test_topic_trie_collects_every_matching_binding() -> None:
-    trie = TopicTrie()
+def test_topic_matcher_collects_every_matching_binding() -> None:
+    matcher = TopicMatcher()
     for pattern in ("#", "a.*", "a.#", "*.b", "a.b", "x"):
-        trie.add(pattern, (QUEUE, pattern))
-    assert {name for _, name in trie.match("a.b")} == {"#", "a.*", "a.#", "*.b", "a.b"}
+        matcher.add(pattern, (QUEUE, pattern))
+    assert {name for _, name in matcher.match("a.b")} == {"#", "a.*", "a.#", "*.b", "a.b"}
 
 
 def test_topic_many_hashes_stay_fast() -> None:
-    trie = TopicTrie()
-    trie.add(".".join(["#"] * 30) + ".z", (QUEUE, "q"))
-    assert trie.match(".".join(["a"] * 200)) == []
-    assert trie.match(".".join(["a"] * 200) + ".z") == [(QUEUE, "q")]
+    matcher = TopicMatcher()
+    matcher.add(".".join(["#"] * 30) + ".z", (QUEUE, "q"))
+    assert matcher.match(".".join(["a"] * 200)) == []
+    assert matcher.match(".".join(["a"] * 200) + ".z") == [(QUEUE, "q")]
 
 
 def test_topic_routes_through_an_exchange() -> None:
@@ -241,11 +245,11 @@ def test_topic_agrees_with_a_reference_regex(pattern: str, key: str) -> None:
     st.lists(st.lists(_pattern_words, max_size=5).map(".".join), max_size=8),
     st.lists(_words, max_size=6).map(".".join),
 )
-def test_topic_trie_agrees_with_each_pattern_alone(patterns: list[str], key: str) -> None:
-    trie = TopicTrie()
+def test_topic_matcher_agrees_with_each_pattern_alone(patterns: list[str], key: str) -> None:
+    matcher = TopicMatcher()
     for n, pattern in enumerate(patterns):
-        trie.add(pattern, (QUEUE, str(n)))
-    found = {int(name) for _, name in trie.match(key)}
+        matcher.add(pattern, (QUEUE, str(n)))
+    found = {int(name) for _, name in matcher.match(key)}
     assert found == {n for n, pattern in enumerate(patterns) if _reference(pattern, key)}
 
 
@@ -570,3 +574,63 @@ def test_exchange_graphs_route_to_every_reachable_queue(
                 todo.append(b)
     expected = {f"q{b}" for a, b in queues if a in reachable}
     assert route(exchanges, bindings, f"e{start}", "") == expected
+
+
+def reference_match(pattern: str, key: str) -> bool:
+    """The topic rule by backtracking (exponential, fine on short keys): '*' one word,
+    '#' zero or more."""
+    pat, words = topic_words(pattern), topic_words(key)
+
+    def go(i: int, j: int) -> bool:
+        if i == len(pat):
+            return j == len(words)
+        if pat[i] == "#":
+            return any(go(i + 1, k) for k in range(j, len(words) + 1))
+        return j < len(words) and pat[i] in ("*", words[j]) and go(i + 1, j + 1)
+
+    return go(0, 0)
+
+
+_WORD = st.sampled_from(["a", "b", "", "*", "#"])
+
+
+@given(
+    st.lists(st.lists(_WORD, max_size=6).map(".".join), min_size=1, max_size=4),
+    st.lists(st.sampled_from(["a", "b", ""]), max_size=7).map(".".join),
+)
+def test_the_linear_matcher_agrees_with_the_rule(patterns: list[str], key: str) -> None:
+    matcher = TopicMatcher()
+    for n, pattern in enumerate(patterns):
+        matcher.add(pattern, (QUEUE, str(n)))
+    got = {name for _, name in matcher.match(key)}
+    assert got == {str(n) for n, p in enumerate(patterns) if reference_match(p, key)}
+
+
+def test_the_worst_topic_publish_is_short_and_long_keys_are_refused() -> None:
+    """Issue 34, finding 2: a binding of 128 '#' and 128-word keys took 160-210 ms a
+    publish on the dispatcher's loop. Runs of '#' collapse, '#' takes one word a step,
+    and a new binding key has at most MAX_TOPIC_WORDS words."""
+    assert topic_pattern("#.#.#.a.#.#") == ("#", "a", "#")
+    matcher = TopicMatcher()
+    matcher.add(".".join(["#"] * 128), (QUEUE, "q"))
+    assert matcher.match(".".join(["w"] * 127)) == [(QUEUE, "q")]
+    topic = Exchange("/", "t", TOPIC, True, False, False, {})
+    check_new_binding(Binding("t", "q", QUEUE, ".".join(["#"] * 128), {}), topic)  # one '#'
+    with pytest.raises(ChannelError, match="topic binding key of 33 words: at most 32"):
+        check_new_binding(Binding("t", "q", QUEUE, ".".join(["#", "*"] * 16 + ["x"]), {}), topic)
+
+
+def test_a_topic_exchange_holds_a_bounded_number_of_key_words() -> None:
+    """The matcher's work per publish grows with the words of an exchange's distinct
+    keys, so a new binding past MAX_TOPIC_EXCHANGE_WORDS is refused (406); the same key
+    bound again costs nothing."""
+    topic = Exchange("/", "t", TOPIC, True, False, False, {})
+    key = ".".join(["*", "#"] * 15 + ["*"])  # 31 words: with ".n", 32 and one start bit
+    full = [
+        Binding("t", f"q{n}", QUEUE, f"{key}.{n}", {})
+        for n in range(MAX_TOPIC_EXCHANGE_WORDS // (MAX_TOPIC_WORDS + 1))
+    ]
+    check_new_binding(Binding("t", "q", QUEUE, full[0].routing_key, {}), topic, full)
+    check_new_binding(Binding("t", "q", QUEUE, "other", {}), topic, full[1:])
+    with pytest.raises(ChannelError, match=r"would hold \d+ words .*at most 65536"):
+        check_new_binding(Binding("t", "q", QUEUE, f"{key}.more", {}), topic, full)

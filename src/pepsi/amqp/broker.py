@@ -71,6 +71,7 @@ from pepsi.amqp.routing import (
     check_binding,
     check_exchange_declare,
     check_exchange_delete,
+    check_new_binding,
 )
 from pepsi.publishing.message import Row
 
@@ -555,6 +556,7 @@ class BrokerChannel(ConsumingChannel):
         self._existing_exchange(view, binding.destination)
         check_binding(binding, source)
         if bind:
+            check_new_binding(binding, source, view.bindings_of_source(source.name))
             await self.catalogue.bind(self.vhost, binding)
         else:
             await self.catalogue.unbind(self.vhost, binding)
@@ -657,6 +659,7 @@ class BrokerChannel(ConsumingChannel):
         source = self._existing_exchange(view, binding.source_exchange)
         check_binding(binding, source)
         if bind:
+            check_new_binding(binding, source, view.bindings_of_source(source.name))
             await self.catalogue.bind(self.vhost, binding)
         else:
             await self.catalogue.unbind(self.vhost, binding)
