@@ -237,6 +237,29 @@ def test_bindings_of_every_exchange_type_and_exchange_to_exchange(amqp: Any, con
     assert bodies(conn, "d") == [b"direct", b"default"]
 
 
+def test_a_topic_binding_of_many_words_is_refused_and_many_hashes_route_fast(
+    amqp: Any, conn: Conn
+) -> None:
+    """Issue 34, finding 2: a binding of 128 '#' and publishes with distinct 128-word
+    keys froze the loop for 160-210 ms each. Runs of '#' now count as one word, a key
+    of more than 32 words is refused (406), and the probe's publishes are confirmed."""
+    connection = amqp()
+    ch = connection.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("t")
+    ch.queue_bind("t", "amq.topic", ".".join(["#"] * 128))
+    started = time.monotonic()
+    for n in range(15):
+        ch.basic_publish("amq.topic", ".".join([chr(97 + n)] * 127), b"x")  # 253 bytes
+    took = time.monotonic() - started
+    assert len(bodies(conn, "t")) == 15
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused:
+        ch.queue_bind("t", "amq.topic", ".".join(["*"] * 33))
+    assert refused.value.reply_code == 406
+    assert "33 words: at most 32" in refused.value.reply_text
+    print(f"15 confirmed publishes of 127 words against 128 '#': {took * 1000:.0f} ms")
+
+
 def test_binding_to_missing_things_is_404_and_default_exchange_403(amqp: Any) -> None:
     connection = amqp()
     ch = connection.channel()
