@@ -19,13 +19,13 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pamqp import base, commands
+from pamqp import commands
 
 from pepsi.admin import amqp_users
 from pepsi.amqp import framing
 from pepsi.amqp.connection import Channel, ChannelHandler, ConnectionOptions, connection_refusal
 from pepsi.config.model import AmqpOptions
-from tests.integration.amqp_harness import PASSWORD, Listener, assert_no_server_bugs
+from tests.integration.amqp_harness import PASSWORD, Listener, Raw, assert_no_server_bugs
 from tests.scenarios.conftest import wait_until
 
 T = TypeVar("T")
@@ -60,100 +60,7 @@ def params(listener: Listener, **kw: Any) -> pika.ConnectionParameters:
     return pika.ConnectionParameters("127.0.0.1", listener.port, **kw)
 
 
-# -- a raw client ------------------------------------------------------------------------
-
-
-class Raw:
-    """A socket speaking frames, for what real clients do not send."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.settimeout(10)
-        self.sock.connect(("127.0.0.1", port))
-        self.reader = framing.FrameReader(0, expect_protocol_header=False)
-        self.pending: list[framing.Frame] = []
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def method(self, channel: int, method: base.Frame) -> None:
-        self.send(framing.encode_method(channel, method))
-
-    def frame(self, timeout: float = 10.0) -> framing.Frame | None:
-        """The next frame, or None at EOF."""
-        self.sock.settimeout(timeout)
-        while not self.pending:
-            data = self.sock.recv(65536)
-            if not data:
-                return None
-            self.pending.extend(self.reader.feed(data))
-        return self.pending.pop(0)
-
-    def expect(self, cls: type[T], timeout: float = 10.0) -> T:
-        """The next method, skipping heartbeats; it must be a `cls`."""
-        while True:
-            frame = self.frame(timeout)
-            if isinstance(frame, framing.HeartbeatFrame):
-                continue
-            assert isinstance(frame, framing.MethodFrame), frame
-            assert isinstance(frame.method, cls), frame.method
-            return frame.method
-
-    def closed_within(self, seconds: float) -> bool:
-        """True when the server closes the socket within `seconds` (data is skipped)."""
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            self.sock.settimeout(left)
-            try:
-                if not self.sock.recv(65536):
-                    return True
-            except TimeoutError:
-                return False
-            except ConnectionResetError:
-                return True
-        return False
-
-    def handshake(
-        self,
-        *,
-        mechanism: str = "PLAIN",
-        response: bytes | None = None,
-        heartbeat: int = 0,
-        frame_max: int = 0,
-        channel_max: int = 0,
-        vhost: str = "/",
-    ) -> None:
-        self.send(framing.PROTOCOL_HEADER)
-        self.expect(commands.Connection.Start)
-        if response is None:
-            response = b"\0alice\0" + PASSWORD.encode()
-        self.method(
-            0,
-            framing.build_method(
-                commands.Connection.StartOk,
-                client_properties={"product": "raw"},
-                mechanism=mechanism,
-                response=response,
-                locale="en_US",
-            ),
-        )
-        tune = self.expect(commands.Connection.Tune)
-        self.method(
-            0,
-            framing.build_method(
-                commands.Connection.TuneOk,
-                channel_max=channel_max or tune.channel_max,
-                frame_max=frame_max or tune.frame_max,
-                heartbeat=heartbeat,
-            ),
-        )
-        self.method(
-            0, framing.build_method(commands.Connection.Open, virtual_host=vhost, insist=False)
-        )
-        self.expect(commands.Connection.OpenOk)
-
-    def close(self) -> None:
-        self.sock.close()
+# -- a raw client (Raw, in amqp_harness) ---------------------------------------------------
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from pepsi.amqp.framing import (
     DEFAULT_MAX_MESSAGE_SIZE,
     FRAME_MIN_SIZE,
     HEARTBEAT,
+    LARGE_BODY,
     MAX_TABLE_DEPTH,
     MAX_TABLE_ITEMS,
     PROTOCOL_HEADER,
@@ -462,6 +463,25 @@ def test_assembler_passes_plain_methods_through_and_handles_empty_bodies() -> No
     content = assembler.feed(RawContentHeader(1, 0, PROPS))
     assert isinstance(content, Content)
     assert content.body == b""
+    assert assembler.idle
+
+
+def test_a_large_body_is_assembled_off_the_heap_and_whole() -> None:
+    """A body of LARGE_BODY or more goes into anonymous memory of its own (given back
+    when the content is done or dropped); it comes out the same as a small one's."""
+    body = bytes(range(256)) * (LARGE_BODY // 256 + 3)
+    assembler = ContentAssembler(1)
+    assert assembler.feed(PUBLISH) is None
+    assert assembler.feed(RawContentHeader(1, len(body), PROPS)) is None
+    for at in range(0, len(body), 131_064):
+        result = assembler.feed(BodyFrame(1, body[at : at + 131_064]))
+    assert isinstance(result, Content)
+    assert result.body == body
+    assert assembler.idle
+    assembler.feed(PUBLISH)
+    assembler.feed(RawContentHeader(1, len(body), PROPS))
+    assembler.feed(BodyFrame(1, body[:10]))
+    assembler.reset()  # dropped half-way: nothing is kept
     assert assembler.idle
 
 

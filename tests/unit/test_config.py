@@ -603,3 +603,18 @@ def test_a_stage_may_go_on_to_an_amqp_queue(tmp_path: Path) -> None:
 def test_amqp_stage_references_are_checked(tmp_path: Path, text: str, problem: str) -> None:
     with pytest.raises(ConfigError, match=problem):
         load(tmp_path, text)
+
+
+def test_publish_buffers_hold_at_least_one_message(tmp_path: Path) -> None:
+    """Issue 34, finding 1: the buffers bounding AMQP bodies being received."""
+    config = load(tmp_path, "[pepsi-amqp]\nPUBLISH_BUFFER = 1G\nCONNECTION_PUBLISH_BUFFER = 300M\n")
+    assert (config.amqp.publish_buffer, config.amqp.connection_publish_buffer) == (
+        1024**3,
+        300 * 1024**2,
+    )
+    assert "CONNECTION_PUBLISH_BUFFER" in error(
+        tmp_path, "[pepsi-amqp]\nCONNECTION_PUBLISH_BUFFER = 64M\n"
+    )  # less than MAX_MESSAGE_SIZE (128M)
+    assert "less than CONNECTION_PUBLISH_BUFFER" in error(
+        tmp_path, "[pepsi-amqp]\nPUBLISH_BUFFER = 200M\n"
+    )

@@ -804,6 +804,18 @@ class BrokerChannel(ConsumingChannel):
             batcher.submit(unit)
             self.published = True
 
+    async def publish_started(self, method: base.Frame) -> None:
+        """Before a publish's body is kept: the write permission and the exchange
+        (issue 34: a user without either made the dispatcher buffer gigabytes)."""
+        assert isinstance(method, commands.Basic.Publish)
+        try:
+            self._may_publish(method)
+            view = self.catalogue.cached(self.vhost) or await self.catalogue.view(self.vhost)
+            view.table.check_publishable(str(method.exchange))
+        except AMQPError as error:
+            _as_publish_error(error)
+            raise
+
     def publish_now(self, content: framing.Content) -> bool:
         """`basic_publish` without awaiting anything, when nothing needs to be awaited
         (the vhost's catalogue is in memory, the batcher has room); False otherwise,

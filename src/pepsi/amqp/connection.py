@@ -65,7 +65,7 @@ from typing import Any, Final, Protocol, cast
 from pamqp import base, commands
 
 from pepsi import __version__
-from pepsi.amqp import framing, replies
+from pepsi.amqp import framing, memory, replies
 from pepsi.amqp.permissions import MECHANISMS, Credentials, Permission, SaslError, parse_response
 from pepsi.config.model import AmqpOptions
 
@@ -370,6 +370,11 @@ class ChannelHandler:
     async def basic_publish(self, content: framing.Content) -> None:
         raise not_implemented(content.method)
 
+    async def publish_started(self, method: base.Frame) -> None:
+        """A content method has arrived, its header and body not yet: raise the
+        ChannelError its publish would end in now (permission, exchange), so that its
+        body is discarded unread. The default leaves every check to `basic_publish`."""
+
     def ack_now(self, tag: int, multiple: bool) -> None:
         """basic.ack without a coroutine (a consumer's hot path): as `basic_ack`."""
         raise not_implemented(framing.ack_method(tag, multiple))
@@ -441,7 +446,7 @@ class Gatekeeper(Protocol):
 class Channel:
     """An open channel: its number, content assembly and handler; sends on its number."""
 
-    __slots__ = ("assembler", "closing", "connection", "handler", "number")
+    __slots__ = ("assembler", "closing", "connection", "handler", "number", "reserved")
 
     def __init__(self, connection: Connection, number: int) -> None:
         self.connection = connection
@@ -451,6 +456,7 @@ class Channel:
         )
         self.closing = False  # we sent channel.close and wait for close-ok
         self.handler: ChannelHandler | None = None
+        self.reserved = 0  # bytes of PublishMemory its content in progress holds
 
     def send_method(self, method: base.Frame) -> None:
         self.connection.send(framing.encode_method(self.number, method))
@@ -490,8 +496,11 @@ class Connection(asyncio.Protocol):
         gone: Callable[[Connection], None] = lambda _: None,
         blocked: Callable[[], str | None] = lambda: None,
         admit: Callable[[Connection], str | None] = lambda _: None,
+        publish_memory: memory.PublishMemory | None = None,
     ) -> None:
         self.options = options
+        self.memory = publish_memory or memory.PublishMemory(options.amqp.publish_buffer)
+        self._held = 0  # bytes this connection's contents in progress reserve
         self._admit = admit  # why this connection may not stay (a cap); None: it may
         self.gatekeeper = gatekeeper
         self.broker = broker
@@ -829,7 +838,8 @@ class Connection(asyncio.Protocol):
             else:
                 result = channel.assembler.feed(frame)
                 if result is None:
-                    pass  # a content goes on
+                    if not isinstance(frame, framing.BodyFrame):
+                        await self._content_started(channel, frame)
                 elif (
                     type(result) is framing.MethodFrame
                     and type(result.method) is commands.Basic.Ack
@@ -1053,6 +1063,46 @@ class Connection(asyncio.Protocol):
         result = channel.assembler.feed(frame)
         if result is not None:
             await self._channel_result(channel, result)
+        elif not isinstance(frame, framing.BodyFrame):
+            await self._content_started(channel, frame)
+
+    async def _content_started(
+        self, channel: Channel, frame: framing.MethodFrame | framing.RawContentHeader
+    ) -> None:
+        """A publish's method or header was just taken: refuse it, if it is to be
+        refused, before any of its body is kept (issue 34)."""
+        try:
+            if type(frame) is framing.RawContentHeader:
+                if frame.body_size:
+                    await self._reserve(channel, frame.body_size)
+            elif channel.handler is not None:
+                await channel.handler.publish_started(cast(framing.MethodFrame, frame).method)
+        except replies.ChannelError as error:
+            await self._answer(close_for(error, channel.number))
+
+    async def _reserve(self, channel: Channel, size: int) -> None:
+        """Reserve a content's body in PublishMemory: at once, after a wait for room
+        (connection.blocked), or not at all (506 RESOURCE_ERROR)."""
+        fits = self.memory.fits(size)
+        why = memory.refusal(
+            size,
+            self._held,
+            connection_limit=self.options.amqp.connection_publish_buffer,
+            fits_in_all=fits,
+        )
+        if why is not None:
+            raise replies.ChannelError(replies.RESOURCE_ERROR, why)
+        if not fits:
+            await self.memory.room(size)  # meanwhile this connection is not read
+        self.memory.take(size)
+        channel.reserved = size
+        self._held += size
+
+    def _release(self, channel: Channel) -> None:
+        if channel.reserved:
+            self.memory.give(channel.reserved)
+            self._held -= channel.reserved
+            channel.reserved = 0
 
     async def _channel_result(
         self, channel: Channel, result: framing.MethodFrame | framing.Content
@@ -1060,7 +1110,10 @@ class Connection(asyncio.Protocol):
         number = channel.number
         try:
             if isinstance(result, framing.Content):
-                await self._dispatch(channel, result.method, result)
+                try:
+                    await self._dispatch(channel, result.method, result)
+                finally:
+                    self._release(channel)  # handed on, or refused
             else:
                 await self._channel_method(channel, result.method)
         except replies.ChannelError as error:
@@ -1114,6 +1167,8 @@ class Connection(asyncio.Protocol):
         await handle(content if content is not None else method)
 
     async def _channel_closed(self, channel: Channel) -> None:
+        self._release(channel)  # a content in progress is dropped with its channel ...
+        channel.assembler.reset()  # ... and its memory given back now
         handler, channel.handler = channel.handler, None
         if handler is not None:
             try:

@@ -27,6 +27,7 @@ rest of the payload for every table item (quadratic).
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ FRAME_OVERHEAD: Final = 8  # 7 header octets (type, channel, size) + the frame-e
 FRAME_MIN_SIZE: Final = 4096  # the spec's and RabbitMQ's smallest frame_max
 BASIC_CLASS_ID: Final = 60  # the only class with content in 0-9-1
 
+LARGE_BODY: Final = 1024 * 1024  # a body this large is assembled off the heap
 DEFAULT_MAX_MESSAGE_SIZE: Final = 128 * 1024 * 1024  # RabbitMQ's max_message_size default
 MAX_MESSAGE_SIZE_LIMIT: Final = 512 * 1024 * 1024  # RabbitMQ's ceiling for that setting
 
@@ -864,6 +866,11 @@ class ContentAssembler:
         self._method: base.Frame | None = None
         self._header: RawContentHeader | None = None
         self._parts: list[bytes] = []
+        # A large body is written into anonymous memory of its own, which goes back to
+        # the system at once when the content is done or dropped (parts on the heap
+        # left the process 270 MB larger after a client dropped two 128 MiB contents).
+        self._large: mmap.mmap | None = None
+        self._at = 0
         self._remaining = 0
 
     @property
@@ -875,6 +882,9 @@ class ContentAssembler:
         self._method = None
         self._header = None
         self._parts = []
+        if self._large is not None:
+            self._large.close()
+            self._large = None
         self._remaining = 0
 
     def feed(
@@ -929,6 +939,8 @@ class ContentAssembler:
                 return self._complete(frame)
             self._header = frame
             self._remaining = frame.body_size
+            if frame.body_size >= LARGE_BODY:
+                self._large, self._at = mmap.mmap(-1, frame.body_size), 0
             return None
         if not isinstance(frame, BodyFrame):
             raise UnexpectedFrame(
@@ -939,15 +951,24 @@ class ContentAssembler:
             raise FrameFormatError(
                 "content body frame exceeds remaining content size", **self._where()
             )
-        self._parts.append(frame.payload)
-        self._remaining -= len(frame.payload)
+        self._keep(frame.payload)
         if self._remaining:
             return None
         return self._complete(self._header)
 
+    def _keep(self, payload: bytes) -> None:
+        if self._large is not None:
+            end = self._at + len(payload)
+            self._large[self._at : end] = payload
+            self._at = end
+        else:
+            self._parts.append(payload)
+        self._remaining -= len(payload)
+
     def _complete(self, header: RawContentHeader) -> Content:
         assert self._method is not None
-        content = Content(self.channel, self._method, header, b"".join(self._parts))
+        body = self._large[:] if self._large is not None else b"".join(self._parts)
+        content = Content(self.channel, self._method, header, body)
         self.reset()
         return content
 

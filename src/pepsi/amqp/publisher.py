@@ -53,6 +53,7 @@ REJECTED: Final = "PP001"  # pepsi.workqueue_publish: a reject-publish stage is 
 MAX_BATCH_ROWS: Final = 2000  # rows per transaction at most
 MAX_BATCH_BYTES: Final = 32 * 1024 * 1024
 HIGH_WATER_ROWS: Final = 20_000  # waiting rows over this: publishers wait (TCP back-pressure)
+HIGH_WATER_BYTES: Final = 2 * MAX_BATCH_BYTES  # ... or bytes over this (large bodies)
 DEDUP_WINDOW: Final = 86400.0  # the function's argument; AMQP publishes never deduplicate
 LEAN_SQL: Final = query_text("amqp_publish")
 # The Row fields pepsi.amqp_publish takes, in its arguments' order, and those it does not
@@ -222,6 +223,7 @@ class Batcher:
         self.commits = 0  # transactions committed (tests, the benchmark)
         self._queue: list[Unit] = []
         self._queued_rows = 0
+        self._queued_bytes = 0
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
@@ -276,7 +278,10 @@ class Batcher:
         self._queue.append(unit)
         self._submitted += 1
         self._queued_rows += unit.rows
-        if self._queued_rows > HIGH_WATER_ROWS and self._room.is_set():
+        self._queued_bytes += unit.size
+        if self._room.is_set() and (
+            self._queued_rows > HIGH_WATER_ROWS or self._queued_bytes > HIGH_WATER_BYTES
+        ):
             self._room.clear()
             self._tell_blocked()
         self._wake.set()
@@ -318,7 +323,12 @@ class Batcher:
         taken = queue[:count]
         del queue[:count]
         self._queued_rows -= rows
-        if self._queued_rows <= HIGH_WATER_ROWS and not self._room.is_set():
+        self._queued_bytes -= size
+        if (
+            not self._room.is_set()
+            and self._queued_rows <= HIGH_WATER_ROWS
+            and self._queued_bytes <= HIGH_WATER_BYTES
+        ):
             self._room.set()
             self._tell_blocked()
         return taken

@@ -535,13 +535,12 @@ class RoutingTable:
         index = self._index.get(name)
         return index.exchange if index is not None else None
 
-    def route(
-        self, exchange_name: str, routing_key: str, headers: Mapping[str, object] | None = None
-    ) -> set[str]:
-        """The queues a message published to `exchange_name` goes to (maybe none).
+    def check_publishable(self, exchange_name: str) -> None:
+        """Raise the ChannelError a publish to `exchange_name` ends in, whatever its key:
+        404 for a missing exchange, 403 for an internal one."""
+        self._publishable(exchange_name)
 
-        Raises ChannelError 404 for a missing exchange, 403 for an internal one.
-        """
+    def _publishable(self, exchange_name: str) -> _ExchangeIndex:
         start = self._index.get(exchange_name)
         if start is None:
             raise ChannelError(NOT_FOUND, f"no {_exchange_text(exchange_name, self.vhost)}")
@@ -550,6 +549,16 @@ class RoutingTable:
                 ACCESS_REFUSED,
                 f"cannot publish to internal {_exchange_text(exchange_name, self.vhost)}",
             )
+        return start
+
+    def route(
+        self, exchange_name: str, routing_key: str, headers: Mapping[str, object] | None = None
+    ) -> set[str]:
+        """The queues a message published to `exchange_name` goes to (maybe none).
+
+        Raises ChannelError 404 for a missing exchange, 403 for an internal one.
+        """
+        start = self._publishable(exchange_name)
         table: Mapping[str, object] = headers or {}
         keys = routing_keys(routing_key, table)
         if exchange_name == DEFAULT_EXCHANGE:

@@ -31,6 +31,7 @@ from pepsi.amqp.connection import (
     NoBroker,
     connection_refusal,
 )
+from pepsi.amqp.memory import PublishMemory
 from pepsi.amqp.permissions import Credentials, Permission, can_open_vhost, login_refusal
 from pepsi.db.connect import connect_async
 from pepsi.db.queries import query
@@ -144,6 +145,10 @@ class Server:
         self.connections: set[Connection] = set()  # every accepted one, until it is gone
         self.open: set[Connection] = set()  # those past connection.open-ok
         self.blocked_reason: str | None = None
+        self._blocked_by: dict[str, str] = {}  # why clients are blocked, by source
+        # bodies being received by every connection (PUBLISH_BUFFER): one bound for all
+        self.memory = PublishMemory(options.amqp.publish_buffer)
+        self.memory.on_blocked = lambda reason: self._blocked_for("memory", reason)
         self._server: asyncio.Server | None = None
         self._changes: set[asyncio.Task[None]] = set()
 
@@ -156,6 +161,7 @@ class Server:
             gone=self._gone,
             blocked=lambda: self.blocked_reason,
             admit=self._admit,
+            publish_memory=self.memory,
         )
         self.connections.add(conn)
         return conn
@@ -254,9 +260,16 @@ class Server:
     def set_blocked(self, reason: str | None) -> None:
         """Back-pressure starts (a reason) or ends (None): connection.blocked / unblocked
         to every open connection whose client announced the capability."""
-        self.blocked_reason = reason
+        self._blocked_for("publishing", reason)
+
+    def _blocked_for(self, source: str, reason: str | None) -> None:
+        if reason is None:
+            self._blocked_by.pop(source, None)
+        else:
+            self._blocked_by[source] = reason
+        self.blocked_reason = "; ".join(self._blocked_by.values()) or None
         for conn in list(self.open):
-            conn.set_blocked(reason)
+            conn.set_blocked(self.blocked_reason)
 
     async def stop(self) -> None:
         """Stop accepting, close every connection (320), wait briefly for them to end."""

@@ -119,6 +119,9 @@ class AmqpOptions:
     stages: tuple[str, ...] = ()  # stages of the file that are also queues in vhost /
     max_connections: int = 1000  # open at once, from all clients (before any login)
     client_connection_limit: int = 100  # open at once from one client address
+    # bytes of bodies being received (header to batcher), in all and per connection
+    publish_buffer: int = 512 * MIB
+    connection_publish_buffer: int = 256 * MIB
 
 
 @dataclass(frozen=True)

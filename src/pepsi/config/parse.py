@@ -221,6 +221,8 @@ AMQP_KEYS: Spec = {
     "STAGES": ("stages", v.stage_names),
     "MAX_CONNECTIONS": ("max_connections", v.integer(1)),
     "CLIENT_CONNECTION_LIMIT": ("client_connection_limit", v.integer(1)),
+    "PUBLISH_BUFFER": ("publish_buffer", v.size(MIB, 1024 * 1024 * MIB)),
+    "CONNECTION_PUBLISH_BUFFER": ("connection_publish_buffer", v.size(MIB, 1024 * 1024 * MIB)),
 }
 WEB_KEYS: Spec = {
     "LISTEN": ("listen", v.listen_address),
@@ -253,6 +255,43 @@ def _parse_section(section: str, keys: Mapping[str, RawValue], spec: Spec) -> di
         except ValueError as exc:
             raise ConfigError(str(exc), file=raw.origin, section=section, key=key) from None
     return values
+
+
+def _amqp_options(
+    parsed: dict[str, Any], raw: Mapping[str, Any], stages: Mapping[str, Any], file: str | None
+) -> AmqpOptions:
+    """[pepsi-amqp], with the checks that span keys or sections."""
+    amqp = AmqpOptions(**parsed)
+    for key, smaller, larger, larger_key in (
+        (
+            "CONNECTION_PUBLISH_BUFFER",
+            amqp.connection_publish_buffer,
+            amqp.max_message_size,
+            "MAX_MESSAGE_SIZE",
+        ),
+        (
+            "PUBLISH_BUFFER",
+            amqp.publish_buffer,
+            amqp.connection_publish_buffer,
+            "CONNECTION_PUBLISH_BUFFER",
+        ),
+    ):
+        if smaller < larger:
+            raise ConfigError(
+                f"{smaller} bytes is less than {larger_key} ({larger} bytes)",
+                file=origin_of(raw, key, file),
+                section="pepsi-amqp",
+                key=key,
+            )
+    for name in amqp.stages:
+        if name not in stages:
+            raise ConfigError(
+                f"no stage named {name!r}",
+                file=origin_of(raw, "STAGES", file),
+                section="pepsi-amqp",
+                key="STAGES",
+            )
+    return amqp
 
 
 def parse_config(raw: RawSections, path: Path | None = None) -> Config:
@@ -313,15 +352,7 @@ def parse_config(raw: RawSections, path: Path | None = None) -> Config:
             section="pepsi-failure-bouncer",
             key="SINK",
         )
-    amqp = AmqpOptions(**parsed.get("pepsi-amqp", {}))
-    for name in amqp.stages:
-        if name not in stages:
-            raise ConfigError(
-                f"no stage named {name!r}",
-                file=origin_of(raw.get("pepsi-amqp", {}), "STAGES", file),
-                section="pepsi-amqp",
-                key="STAGES",
-            )
+    amqp = _amqp_options(parsed.get("pepsi-amqp", {}), raw.get("pepsi-amqp", {}), stages, file)
     return Config(
         path=path,
         pepsi=PepsiOptions(**parsed.get("pepsi", {})),
