@@ -123,3 +123,24 @@ def faulty_serial(msg: Message) -> None:
 def bad_state_then_error(msg: Message) -> None:
     msg.state["oops"] = object()  # not JSON
     raise RuntimeError("and then it breaks")
+
+
+@stage()
+def overreach(msg: Message) -> None:
+    """Issue 34, finding 11: stage code tries, with the DSN it is given, to add a stage
+    that runs a program of its choosing, and to read the AMQP users' password hashes;
+    it records what PostgreSQL answered in the message's state."""
+    with psycopg.connect(os.environ["PEPSI_DSN"], autocommit=True) as conn:
+        for name, sql in (
+            (
+                "overlay",
+                "INSERT INTO pepsi.config_override (section, key, value)"
+                " VALUES ('stage-evil', 'PROGRAM', '/tmp/x.sh')",
+            ),
+            ("amqp_user", "SELECT * FROM pepsi.amqp_user"),
+        ):
+            try:
+                conn.execute(sql)
+                msg.state[name] = "allowed"
+            except psycopg.errors.InsufficientPrivilege:
+                msg.state[name] = "refused"

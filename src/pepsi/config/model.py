@@ -77,6 +77,7 @@ def default_data_dir() -> Path:
 @dataclass(frozen=True)
 class PostgresOptions:
     dsn: str | None = None
+    worker_dsn: str | None = None  # stage code's (a pepsi_worker login); None: the dispatcher's
     data_dir: Path = field(default_factory=default_data_dir)
     worker_synchronous_commit: bool = False
     pool_min_size: int = 1

@@ -184,6 +184,7 @@ DISPATCH_KEYS: Spec = {
 }
 POSTGRES_KEYS: Spec = {
     "DSN": ("dsn", v.text),
+    "WORKER_DSN": ("worker_dsn", v.text),
     "DATA_DIR": ("data_dir", v.path),
     "WORKER_SYNCHRONOUS_COMMIT": ("worker_synchronous_commit", v.boolean),
     "POOL_MIN_SIZE": ("pool_min_size", v.integer(1, 1000)),

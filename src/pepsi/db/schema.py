@@ -19,6 +19,7 @@ from importlib import resources
 import psycopg
 from psycopg import sql
 
+from pepsi.db import roles
 from pepsi.db.queries import query, sql_text
 from pepsi.errors import PepsiError, SchemaMismatch
 
@@ -160,6 +161,7 @@ def install(conn: psycopg.Connection[tuple[object, ...]], *, from_migrations: bo
             query("schema_version_set"),
             {"version": result.expected, "fingerprint": fingerprint()},
         )
+        roles.regrant(conn)  # what the upgrade added, for pepsi_publisher and pepsi_worker
     return done
 
 

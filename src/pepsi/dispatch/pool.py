@@ -19,7 +19,7 @@ from pepsi.dispatch.workers import WorkerProcess, resolve_program
 
 @dataclass(frozen=True)
 class PoolOptions:
-    dsn: str
+    dsn: str  # handed to workers as PEPSI_DSN: [pepsi-postgres] WORKER_DSN, else the dispatcher's
     config_file: Path | None  # [pepsi-dispatch] CONFIG_FILE: passed to external programs
     config_path: Path | None  # the file the dispatcher read: the unified program reads it too
     idle_timeout: float  # WORKER_IDLE_TIMEOUT
@@ -34,7 +34,7 @@ class PoolOptions:
     def from_config(cls, config: Config, dsn: str) -> PoolOptions:
         d = config.dispatch
         return cls(
-            dsn,
+            config.postgres.worker_dsn or dsn,  # what workers get as PEPSI_DSN
             d.config_file,
             config.path,
             d.worker_idle_timeout,
