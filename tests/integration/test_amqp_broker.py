@@ -463,6 +463,84 @@ def test_permissions_are_enforced_with_rabbitmqs_403(amqp: Any, users: Conn) -> 
     ch.exchange_declare("bob-main", "direct", arguments={"alternate-exchange": "bob-alt"})
 
 
+# The permission table of docs/amqp.md#permissions, row by row: what each operation
+# needs ({access: pattern}), what alice prepares first, and the operation itself.
+PERMISSION_TABLE: list[tuple[str, dict[str, str], Callable[[Any], Any], Callable[[Any], Any]]] = [
+    ("exchange.declare", {"configure": "^x1$"}, lambda a: None,
+     lambda ch: ch.exchange_declare("x1", "fanout")),
+    ("exchange.delete", {"configure": "^x2$"}, lambda a: a.exchange_declare("x2", "fanout"),
+     lambda ch: ch.exchange_delete("x2")),
+    ("exchange.declare alternate-exchange",
+     {"configure": "^x3$", "write": "^alt3$", "read": "^x3$"},
+     lambda a: a.exchange_declare("alt3", "fanout"),
+     lambda ch: ch.exchange_declare("x3", "direct", arguments={"alternate-exchange": "alt3"})),
+    ("queue.declare", {"configure": "^q4$"}, lambda a: None, lambda ch: ch.queue_declare("q4")),
+    ("queue.delete", {"configure": "^q5$"}, lambda a: a.queue_declare("q5"),
+     lambda ch: ch.queue_delete("q5")),
+    ("queue.declare x-dead-letter-exchange",
+     {"configure": "^q6$", "write": "^dlx6$", "read": "^q6$"},
+     lambda a: a.exchange_declare("dlx6", "fanout"),
+     lambda ch: ch.queue_declare("q6", arguments={"x-dead-letter-exchange": "dlx6"})),
+    ("queue.bind", {"write": "^q7$", "read": "^x7$"},
+     lambda a: (a.queue_declare("q7"), a.exchange_declare("x7", "fanout")),
+     lambda ch: ch.queue_bind("q7", "x7")),
+    ("queue.unbind", {"write": "^q8$", "read": "^x8$"},
+     lambda a: (a.queue_declare("q8"), a.exchange_declare("x8", "direct"),
+                a.queue_bind("q8", "x8", "k")),
+     lambda ch: ch.queue_unbind("q8", "x8", "k")),
+    ("exchange.bind", {"write": "^d9$", "read": "^s9$"},
+     lambda a: (a.exchange_declare("d9", "fanout"), a.exchange_declare("s9", "fanout")),
+     lambda ch: ch.exchange_bind("d9", "s9")),
+    ("exchange.unbind", {"write": "^d10$", "read": "^s10$"},
+     lambda a: (a.exchange_declare("d10", "fanout"), a.exchange_declare("s10", "fanout"),
+                a.exchange_bind("d10", "s10")),
+     lambda ch: ch.exchange_unbind("d10", "s10")),
+    ("basic.publish", {"write": "^x11$"},
+     lambda a: (a.exchange_declare("x11", "fanout"), a.queue_declare("q11"),
+                a.queue_bind("q11", "x11")),
+     lambda ch: (ch.confirm_delivery(), ch.basic_publish("x11", "", b"m"))),
+    ("basic.get", {"read": "^q12$"}, lambda a: a.queue_declare("q12"),
+     lambda ch: ch.basic_get("q12")),
+    ("basic.consume", {"read": "^q13$"}, lambda a: a.queue_declare("q13"),
+     lambda ch: ch.basic_consume("q13", lambda *_: None)),
+    ("queue.purge", {"read": "^q14$"}, lambda a: a.queue_declare("q14"),
+     lambda ch: ch.queue_purge("q14")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("operation", "needs", "prepare", "act"),
+    PERMISSION_TABLE,
+    ids=[row[0] for row in PERMISSION_TABLE],
+)
+def test_each_row_of_the_permission_table_with_two_users(
+    amqp: Any,
+    users: Conn,
+    operation: str,
+    needs: dict[str, str],
+    prepare: Callable[[Any], Any],
+    act: Callable[[Any], Any],
+) -> None:
+    """alice prepares; carol, with every access the row needs but one, is refused (403)
+    for each missing one in turn; with all of them, she may."""
+    prepare(amqp().channel())
+    amqp_users.add_user(users, "carol", PASSWORD)
+
+    def grant(missing: str | None) -> None:
+        patterns = {a: ("" if a == missing else needs.get(a, "")) for a in ACCESSES}
+        amqp_users.set_permissions(users, "carol", *(patterns[a] for a in ACCESSES))
+
+    for missing in needs:
+        grant(missing)
+        text = closed_with(403, lambda: act(amqp("carol").channel()))
+        assert "refused for user 'carol'" in text, (operation, missing)
+    grant(None)
+    act(amqp("carol").channel())
+
+
+ACCESSES = ("configure", "write", "read")
+
+
 # -- grouping and failures ------------------------------------------------------------------
 
 
