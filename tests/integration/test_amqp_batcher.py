@@ -6,7 +6,7 @@ import asyncio
 
 import psycopg
 
-from pepsi.amqp.publisher import Batcher, Item, Unit
+from pepsi.amqp.publisher import HIGH_WATER_BYTES, Batcher, Item, Unit
 from pepsi.publishing.message import Row
 
 
@@ -62,3 +62,29 @@ def test_a_commit_wakes_the_dispatcher_in_process_not_through_notify(dsn: str) -
         listener.execute("SELECT pepsi.workqueue_publish_one('s', NULL, 'b'::bytea)")
         listener.execute("SELECT 1")
         assert heard == ["workqueue"]  # the listener does hear notifications
+
+
+def test_the_queue_is_bounded_in_bytes_as_well_as_rows(dsn: str) -> None:
+    """Issue 34: 20 000 queued rows of 128 MiB each were allowed. Past HIGH_WATER_BYTES
+    queued, publishers wait (`has_room` false, `connection.blocked` through on_blocked)
+    until the batcher has taken them; then room again."""
+    mib = 1024 * 1024
+    big = Row._make(("amqp:/:q", "m", *(None,) * 13))._replace(body=b"x" * (24 * mib))
+
+    async def scenario() -> tuple[bool, list[str | None], list[BaseException | None]]:
+        batcher = Batcher(dsn, 5.0)
+        reasons: list[str | None] = []
+        batcher.on_blocked = reasons.append
+        done: list[BaseException | None] = []
+        for _ in range(3):  # 72 MiB queued: over the 64 MiB mark
+            batcher.submit(Unit([Item([big])], lambda _items, error: done.append(error)))
+        blocked = not batcher.has_room
+        await batcher.room()
+        await batcher.close()
+        return blocked, reasons, done
+
+    blocked, reasons, done = asyncio.run(scenario())
+    assert blocked
+    assert reasons == ["publishes are waiting for the database", None]
+    assert done == [None, None, None]
+    assert 3 * 24 * mib > HIGH_WATER_BYTES
