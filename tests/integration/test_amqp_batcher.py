@@ -20,7 +20,7 @@ def test_close_commits_what_is_queued_then_refuses(dsn: str) -> None:
     async def scenario() -> list[BaseException | None]:
         batcher = Batcher(dsn, 5.0)
         outcomes: list[BaseException | None] = []
-        row = Row._make(("amqp:/:q", "m", *(None,) * 13))
+        row = Row._make(("amqp:/:q", "m", *(None,) * 13, 0))
         batcher.submit(Unit([Item([row])], lambda _items, error: outcomes.append(error)))
         await batcher.close()
         batcher.submit(Unit([Item([row])], lambda _items, error: outcomes.append(error)))
@@ -47,7 +47,7 @@ def test_a_commit_wakes_the_dispatcher_in_process_not_through_notify(dsn: str) -
             woken: list[int] = []
             batcher.on_committed = lambda: woken.append(1)
             done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-            row = Row._make(("amqp:/:q", "m", *(None,) * 13))
+            row = Row._make(("amqp:/:q", "m", *(None,) * 13, 0))
             batcher.submit(Unit([Item([row])], lambda _items, error: done.set_result(error)))
             error = await done
             await batcher.close()
@@ -69,7 +69,7 @@ def test_the_queue_is_bounded_in_bytes_as_well_as_rows(dsn: str) -> None:
     queued, publishers wait (`has_room` false, `connection.blocked` through on_blocked)
     until the batcher has taken them; then room again."""
     mib = 1024 * 1024
-    big = Row._make(("amqp:/:q", "m", *(None,) * 13))._replace(body=b"x" * (24 * mib))
+    big = Row._make(("amqp:/:q", "m", *(None,) * 13, 0))._replace(body=b"x" * (24 * mib))
 
     async def scenario() -> tuple[bool, list[str | None], list[BaseException | None]]:
         batcher = Batcher(dsn, 5.0)

@@ -515,7 +515,7 @@ def test_publishes_that_cannot_be_written_block_every_connection(dsn: str) -> No
         batcher = Batcher("postgresql://nobody@127.0.0.1:1/none", 1.0, Backoff(0.2, 0.1))
         batcher.on_blocked = told.append
         done = asyncio.Event()
-        row = Row._make(("amqp:/:q", *(None,) * 14))
+        row = Row._make(("amqp:/:q", *(None,) * 14, 0))
         batcher.submit(Unit([Item([row])], lambda *_: done.set()))
         await asyncio.wait_for(done.wait(), 30)
         batcher.dsn = dsn  # the database is back

@@ -117,6 +117,7 @@ def test_json_lines_stream(conf: Path, dsn: str) -> None:
         (["--format", "jsonl", "--stage", "inbound"], b"{not json\n", 65, "line 1: not JSON"),
         (["--stage", "inbound", "--property", "novalue"], b"x", 2, "NAME=VALUE"),
         (["--stage", "inbound", "--expires", "soon"], b"x", 2, "--expires"),
+        (["--stage", "inbound", "--priority", "256"], b"x", 65, "priority must be an integer"),
         ([], b"x", 2, "--stage is required"),
     ],
 )
@@ -140,3 +141,12 @@ def test_load_generator(conf: Path, dsn: str) -> None:
     assert done.stdout == ""
     assert "published 300 messages" in done.stderr
     assert len(rows(dsn)) == 300
+
+
+def test_priority(conf: Path, dsn: str) -> None:
+    """Issue 33: `--priority N` (0 to 255, higher first)."""
+    done = ingress(conf, dsn, "--stage", "inbound", "--priority", "7", stdin=b"x")
+    assert done.returncode == 0, done.stderr
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT priority FROM pepsi.workqueue").fetchone()
+    assert row == (7,)

@@ -535,3 +535,27 @@ def test_no_free_connection_within_connect_timeout_is_database_busy(conf: Path, 
     ):
         publisher.publish("inbound", b"x")
     assert busy.value.exit_code == 75
+
+
+def test_priority_is_stored_and_checked(pub: Publisher, conn: Conn) -> None:
+    """Issue 33: `priority=` (0-255, higher first) on publish, publish_many and the
+    async publisher; a bad one is InvalidMessage, in one line."""
+    one = pub.publish("inbound", b"x", priority=7)
+    plain, high = pub.publish_many(
+        [OutgoingMessage("inbound", b"y"), OutgoingMessage("inbound", b"z", priority=255)]
+    )
+    limited = pub.publish("small", b"w", priority=2)  # the general path, with a limit
+
+    async def publish_async() -> int:
+        async with AsyncPublisher(pub.base, pub.dsn) as publisher:
+            return await publisher.publish("inbound", b"a", priority=9)
+
+    later = asyncio.run(publish_async())
+    rows = conn.execute(
+        "SELECT workqueue_id, priority FROM pepsi.workqueue WHERE workqueue_id = ANY(%s)",
+        ([one, plain, high, limited, later],),
+    ).fetchall()
+    assert dict(rows) == {one: 7, plain: 0, high: 255, limited: 2, later: 9}
+    for bad in (-1, 256, True, "5", 1.5):
+        with pytest.raises(InvalidMessage, match="priority must be an integer from 0 to 255"):
+            pub.publish("inbound", b"x", priority=bad)

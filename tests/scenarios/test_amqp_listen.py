@@ -247,3 +247,54 @@ def test_a_peers_text_cannot_forge_a_line_of_the_dispatchers_log(pipeline: Pipel
     lines = dispatcher.log.splitlines()
     assert not [line for line in lines if line.startswith("2026-12-05 06:00:00,000 CRITICAL")]
     assert any("PLAIN\\n2026-12-05 06:00:00,000 CRITICAL" in line for line in lines), lines
+
+
+def test_message_priority_as_rabbitmq_classic_queues_have_it(pipeline: Pipeline) -> None:
+    """Issue 33: `x-max-priority` on declare, `priority` in the properties: higher
+    first, FIFO within a priority, a priority over the queue's maximum counted as the
+    maximum; a queue declared without it keeps publish order. Consumed with prefetch
+    1 from a real dispatcher's claim, and with basic.get."""
+    amqp_users.add_user(pipeline.db, "app", "app-secret")
+    amqp_users.set_permissions(pipeline.db, "app", ".*", ".*", ".*")
+    port = free_port()
+    pipeline.configure(STAGES + f"[pepsi-amqp]\nLISTEN = 127.0.0.1:{port}\n")
+    dispatcher = pipeline.start()
+    wait_until(lambda: f"amqp listening on 127.0.0.1:{port}" in dispatcher.log, what="the listener")
+    parameters = pika.ConnectionParameters(
+        "127.0.0.1", port, credentials=pika.PlainCredentials("app", "app-secret")
+    )
+    with pika.BlockingConnection(parameters) as connection:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        channel.queue_declare("ranked", arguments={"x-max-priority": 10})
+        channel.queue_declare("plain")
+        sent = [("p1", 1), ("none", None), ("p5", 5), ("p20", 20), ("p5b", 5), ("p10", 10)]
+        for queue in ("ranked", "plain"):
+            for body, priority in sent:
+                channel.basic_publish(
+                    "", queue, body.encode(), pika.BasicProperties(priority=priority)
+                )
+        got: list[bytes] = []
+        channel.basic_qos(prefetch_count=1)
+        channel.basic_consume(
+            "ranked", lambda ch, m, p, body: (got.append(body), ch.basic_ack(m.delivery_tag))
+        )
+        wait_until(
+            lambda: connection.process_data_events(time_limit=0.05) or len(got) == len(sent),
+            what="the deliveries",
+        )
+        # 20 counts as the queue's 10, and came before p10: FIFO within a priority
+        assert got == [b"p20", b"p10", b"p5", b"p5b", b"p1", b"none"]
+        fetched = []
+        while (method := channel.basic_get("plain", auto_ack=True))[0] is not None:
+            fetched.append(method[2])
+        assert fetched == [body.encode() for body, _ in sent]  # no x-max-priority: in order
+        channel.queue_declare("ranked-get", arguments={"x-max-priority": 10})
+        for body, priority in sent:
+            properties = pika.BasicProperties(priority=priority)
+            channel.basic_publish("", "ranked-get", body.encode(), properties)
+        fetched = []
+        while (method := channel.basic_get("ranked-get", auto_ack=True))[0] is not None:
+            fetched.append(method[2])
+        assert fetched == [b"p20", b"p10", b"p5", b"p5b", b"p1", b"none"]
+    assert dispatcher.stop() == 0

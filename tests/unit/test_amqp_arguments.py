@@ -220,7 +220,8 @@ def test_unknown_x_arguments_are_ignored() -> None:
 
 def test_accepted_arguments_without_effect_are_listed() -> None:
     classic = parse(**{"x-max-priority": 10, "x-queue-mode": "lazy", "x-queue-version": 2})
-    assert classic.ignored == ("x-max-priority", "x-queue-mode", "x-queue-version")
+    assert classic.ignored == ("x-queue-mode", "x-queue-version")
+    assert classic.max_priority == 10  # issue 33: priorities count
     quorum = parse(
         **{
             "x-queue-type": "quorum",

@@ -189,7 +189,7 @@ def test_row_field_order_is_what_the_broker_builds() -> None:
     assert Row._fields == (
         "stage", "message_id", "dedup", "sender", "recipients", "origin_user", "origin_peer",
         "header_from", "subject", "content_type", "correlation_id", "properties", "expires",
-        "header", "body",
+        "header", "body", "priority",
     )  # fmt: skip
 
 

@@ -109,8 +109,10 @@ def test_lean_params_are_the_columns_a_publish_fills() -> None:
     assert lean_params(rows) == (
         ["q", "r"], ["m-1", None], ["alice", None], ["192.0.2.1", "::1"],
         ["text/plain", None], ["c-1", None], ['{"exchange": ""}', None], [None, None],
-        [b"h1", None], [b"b1", b""],
+        [b"h1", None], [b"b1", b""], None,  # priorities: all 0, NULL
     )  # fmt: skip
+    prioritised = [rows[0]._replace(priority=5), rows[1]]
+    assert lean_params(prioritised)[-1] == [5, 0]  # type: ignore[index]
 
 
 @pytest.mark.parametrize("field", ["dedup", "sender", "recipients", "header_from", "subject"])

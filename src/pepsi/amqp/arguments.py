@@ -103,7 +103,7 @@ _KNOWN_ARGUMENTS: Final = frozenset(CLASSIC_ARGUMENTS + QUORUM_ARGUMENTS + STREA
 
 # Accepted, validated, and without effect in Pepsi.
 _NO_EFFECT: Final = frozenset(
-    {"x-max-priority", "x-queue-mode", "x-queue-version", "x-queue-master-locator",
+    {"x-queue-mode", "x-queue-version", "x-queue-master-locator",
      "x-queue-leader-locator", "x-quorum-initial-group-size", "x-max-in-memory-length",
      "x-max-in-memory-bytes"}
 )  # fmt: skip
@@ -220,6 +220,7 @@ class QueueArguments:
     dead_letter_routing_key: str | None = None
     dead_letter_strategy: str | None = None
     delivery_limit: int | None = None
+    max_priority: int | None = None  # x-max-priority: messages' priority counts, up to it
     single_active_consumer: bool = False
     ignored: tuple[str, ...] = ()
     raw: Mapping[str, object] = field(
@@ -408,6 +409,7 @@ def parse_queue_arguments(
         dead_letter_routing_key=_opt_str(get("x-dead-letter-routing-key")),
         dead_letter_strategy=_opt_str(get("x-dead-letter-strategy")),
         delivery_limit=_opt_int(get("x-delivery-limit")),
+        max_priority=_opt_int(get("x-max-priority")),
         single_active_consumer=bool(values.get("x-single-active-consumer", False)),
         ignored=tuple(key for key in table if key in values and key in _NO_EFFECT),
         raw=MappingProxyType(dict(table)),

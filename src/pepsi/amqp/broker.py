@@ -167,6 +167,7 @@ def plain_stages(view: VhostView, queues: list[str]) -> tuple[str, ...] | None:
             queue.limit is not None
             or arguments.max_length_bytes is not None
             or arguments.message_ttl is not None
+            or arguments.max_priority
         ):
             return None
         stages.append(queue.stage)
@@ -188,6 +189,7 @@ _PROPERTY_LAYOUT: Final = (
 )  # fmt: skip
 _WANTED: Final = frozenset({"content_type", "correlation_id", "expiration", "message_id",
                             "user_id"})  # fmt: skip
+_PRIORITY_BIT: Final = 11  # the flag of `priority`, an octet
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,7 @@ class Properties:
     message_id: bytes | None = None
     user_id: bytes | None = None
     headers: bytes | None = None
+    priority: int = 0  # 0 as well when absent
 
     def decoded_headers(self) -> dict[str, Any] | None:
         return None if self.headers is None else framing.decode_table(self.headers)
@@ -229,12 +232,14 @@ def read_properties(raw: bytes) -> Properties:
             else:
                 assert isinstance(kind, int)
                 end = pos + kind
+                if bit == _PRIORITY_BIT and end <= len(raw):
+                    found[name] = raw[pos]  # type: ignore[assignment]  # an int, not octets
             if end > len(raw):
                 raise ValueError("property list truncated")
             pos = end
     except IndexError:
         raise ValueError("property list truncated") from None
-    return Properties(**found)
+    return Properties(**found)  # type: ignore[arg-type]  # priority: an int
 
 
 @dataclass
@@ -879,7 +884,7 @@ class BrokerChannel(ConsumingChannel):
             # (immutable, replaced on any change), exchange, key and property octets give
             # the same checks, route and columns; only the body differs.
             body = content.body
-            return Item([Row._make((*head, body)) for head in last[4]])
+            return Item([Row._make((*head, body, priority)) for head, priority in last[4]])
         props, headers, expires = self._properties(content, view)
         route = self._queues_for(view, exchange, routing_key, headers)
         if not route.queues:
@@ -891,7 +896,13 @@ class BrokerChannel(ConsumingChannel):
             return Item([])
         item = self._item(content, view, route, props, expires)
         if expires is None and route.plain is not None:  # no per-message time in its rows
-            self._last_rows = (view, exchange, routing_key, raw, tuple(r[:-1] for r in item.rows))
+            self._last_rows = (
+                view,
+                exchange,
+                routing_key,
+                raw,
+                tuple((r[:-2], r[-1]) for r in item.rows),
+            )
         return item
 
     def _queues_for(
@@ -971,8 +982,8 @@ class BrokerChannel(ConsumingChannel):
             if len(self._routing) > ROUTING_CACHE:
                 self._routing.clear()
             routing = self._routing[(exchange, routing_key)] = routing_json(exchange, routing_key)
-        # Every Row field after the stage, in Row's order (positional: 15 keywords per row
-        # cost more than the rest of this method).
+        # Every Row field after the stage, in Row's order (positional: 16 keywords per row
+        # cost more than the rest of this method); priority 0, unless a queue says.
         tail = (
             message_id,  # message_id
             False,  # dedup
@@ -988,6 +999,7 @@ class BrokerChannel(ConsumingChannel):
             expires,
             content.raw_properties,  # header
             content.body,
+            0,  # priority
         )
         if route.plain is not None:
             return Item([Row._make((stage, *tail)) for stage in route.plain])
@@ -1006,13 +1018,18 @@ class BrokerChannel(ConsumingChannel):
                 rejected = True  # not written to this queue; nacked (the others have it)
                 continue
             ttl = queue.arguments.message_ttl
-            if ttl is None:
+            top = queue.arguments.max_priority
+            if ttl is None and not top:
                 rows.append(Row._make((queue.stage, *tail)))
-            else:  # x-message-ttl: the sooner of the two expiries; a tuple of its own
-                now = now or dt.datetime.now(dt.UTC)
-                if ttl == 0 and self.broker.deliverer.takes_now(queue.stage):
-                    ttl = ZERO_TTL_DELIVERY_MS  # a consumer takes it at once, as RabbitMQ's
-                own = (*tail[:11], ttl_expires(expires, ttl, now), *tail[12:])
+            else:  # a tuple of its own
+                own = tail
+                if ttl is not None:  # x-message-ttl: the sooner of the two expiries
+                    now = now or dt.datetime.now(dt.UTC)
+                    if ttl == 0 and self.broker.deliverer.takes_now(queue.stage):
+                        ttl = ZERO_TTL_DELIVERY_MS  # a consumer takes it at once, as RabbitMQ
+                    own = (*own[:11], ttl_expires(expires, ttl, now), *own[12:])
+                if top:  # x-max-priority: the message's, at most the queue's (RabbitMQ)
+                    own = (*own[:-1], min(props.priority, top))
                 rows.append(Row._make((queue.stage, *own)))
             if queue.limit is not None:
                 limits[queue.stage] = queue.limit

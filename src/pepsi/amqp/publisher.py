@@ -60,9 +60,10 @@ LEAN_SQL: Final = query_text("amqp_publish")
 # (a basic.publish never sets them; dedup is False).
 _LEAN_FIELDS: Final = tuple(Row._fields.index(name) for name in (
     "stage", "message_id", "origin_user", "origin_peer", "content_type", "correlation_id",
-    "properties", "expires", "header", "body",
+    "properties", "expires", "header", "body", "priority",
 ))  # fmt: skip
-_LEAN_BODIES: Final = len(_LEAN_FIELDS) - 1  # the bodies: never packed (see arrays)
+_LEAN_BODIES: Final = len(_LEAN_FIELDS) - 2  # the bodies: never packed (see arrays)
+_PRIORITY: Final = Row._fields.index("priority")
 _DEDUP: Final = Row._fields.index("dedup")
 _ENVELOPE_FIELDS: Final = tuple(
     Row._fields.index(name) for name in ("sender", "recipients", "header_from", "subject")
@@ -164,6 +165,7 @@ class Unit:
 
 def _call_params(rows: Sequence[Row], limits: dict[str, Limit]) -> tuple[Any, ...]:
     columns = [list(column) for column in zip(*rows, strict=True)]
+    priorities = columns.pop()  # the function's last argument; NULL: all 0
     stages = sorted(limits)
     return (
         *columns,
@@ -172,6 +174,7 @@ def _call_params(rows: Sequence[Row], limits: dict[str, Limit]) -> tuple[Any, ..
         [limits[s][1] for s in stages],
         [None] * len(stages),  # BOUNCE_STAGE: no dead-letter route for AMQP queues yet
         DEDUP_WINDOW,
+        priorities if any(priorities) else None,
     )
 
 
@@ -185,7 +188,10 @@ def lean_params(rows: Sequence[Row]) -> tuple[Any, ...] | None:
     for index in _ENVELOPE_FIELDS:
         if columns[index].count(None) != n:
             return None
-    return tuple(list(columns[i]) for i in _LEAN_FIELDS)
+    lean = [list(columns[i]) for i in _LEAN_FIELDS]
+    if not any(columns[_PRIORITY]):
+        lean[-1] = None  # type: ignore[call-overload]  # NULL: all 0, nothing to send
+    return tuple(lean)
 
 
 def split(

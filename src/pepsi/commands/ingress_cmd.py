@@ -38,7 +38,7 @@ JSON_RENAMED: dict[str, str] = {
 JSON_FIELDS = {
     "stage", "body", "body_base64", "header", "header_base64", "sender", "recipients", "user",
     "peer", "message_id", "dedup", "header_from", "subject", "content_type", "correlation_id",
-    "headers", "expires",
+    "headers", "expires", "priority",
 }  # fmt: skip
 
 
@@ -99,6 +99,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="producer property (repeatable; stored as JSON headers)",
     )
     parser.add_argument("--expires", metavar="DURATION", help="per-message expiry, e.g. 10m")
+    parser.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        metavar="N",
+        help="0 to 255, higher first (default 0: none)",
+    )
     parser.add_argument("--count", type=int, default=1, help="copies of each message (default 1)")
     parser.add_argument("--rate", type=float, help="at most this many messages per second")
     parser.add_argument(
@@ -145,7 +152,7 @@ def _common(args: argparse.Namespace) -> dict[str, Any]:
         "origin_peer": args.peer, "message_id": args.message_id, "dedup": args.dedup,
         "subject": args.subject, "header_from": args.header_from,
         "content_type": args.content_type, "correlation_id": args.correlation_id,
-        "properties": properties, "expires": expires,
+        "properties": properties, "expires": expires, "priority": args.priority,
     }  # fmt: skip
 
 

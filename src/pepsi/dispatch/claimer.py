@@ -29,7 +29,8 @@ class Claimer:
         self.statements = 0  # claim statements run
 
     async def run_once(self, conn: AConn, capacities: Mapping[str, int]) -> list[Claimed]:
-        """Claim up to `capacities[stage]` rows per stage; the rows, oldest first per stage."""
+        """Claim up to `capacities[stage]` rows per stage; the rows in the order to serve
+        them: highest priority first, then oldest (the claim functions return them so)."""
         capacities = {stage: cap for stage, cap in capacities.items() if cap > 0}
         if not capacities:
             return []
@@ -42,7 +43,6 @@ class Claimer:
             rows = [Claimed(int(wid), str(stage)) for wid, stage, *_ in await cur.fetchall()]
         else:
             rows = await self._fair(conn, self.fair, capacities)
-        rows.sort()  # by id: the oldest first within each stage
         return rows
 
     async def _fair(

@@ -86,6 +86,7 @@ def build(messages: Sequence[OutgoingMessage], config: Config, *, fast: bool = T
         params: tuple[Any, ...] = (named["stage"], named["header"], named["body"])
         return BatchCall(PLAIN_SQL, params, tuple(positions))
     limits = [stages[name] for name in limited]
+    priorities = columns.pop()  # the function's last argument; NULL: all 0
     params = (
         *columns,
         limited,
@@ -93,6 +94,7 @@ def build(messages: Sequence[OutgoingMessage], config: Config, *, fast: bool = T
         [s.overflow is Overflow.DROP_HEAD for s in limits],
         [s.bounce_stage for s in limits],
         float(config.ingress.dedup_window),
+        priorities if any(priorities) else None,
     )
     return BatchCall(SQL, params, tuple(positions))
 

@@ -54,6 +54,7 @@ class OutgoingMessage:
     correlation_id: str | None = None
     properties: Mapping[str, Any] = field(default_factory=dict)  # producer properties
     expires: datetime | float | None = None  # when, or seconds from now
+    priority: int = 0  # 0 to 255, higher first (FIFO within one, and within a sender)
 
     def __init__(  # one keyword per field, as the dataclass had
         self,
@@ -73,6 +74,7 @@ class OutgoingMessage:
         correlation_id: str | None = None,
         properties: Mapping[str, Any] | None = None,
         expires: datetime | float | None = None,
+        priority: int = 0,
         json: Any = _UNSET,
         headers: Mapping[str, Any] | None = None,  # deprecated: properties
         user: str | None = None,  # deprecated: origin_user
@@ -106,6 +108,7 @@ class OutgoingMessage:
         put(self, "correlation_id", correlation_id)
         put(self, "properties", {} if properties is None else properties)
         put(self, "expires", expires)
+        put(self, "priority", priority)
 
     @property
     def headers(self) -> Mapping[str, Any]:
@@ -228,14 +231,16 @@ class Row(NamedTuple):
     expires: datetime | None
     header: bytes | None
     body: bytes | None
+    priority: int = 0  # higher first; 0: none
 
     @property
     def plain(self) -> bool:
         """Only a stage, a header block and a body: `workqueue_publish_plain` can take it."""
-        return self[1:13] == _NOTHING
+        return self[1:13] == _NOTHING and not self[15]
 
 
 _NOTHING = (None, False, *(None,) * 10)
+MAX_PRIORITY = 255  # as AMQP's octet (RabbitMQ's x-max-priority ceiling)
 
 
 def validate(msg: OutgoingMessage, *, max_size: int, now: datetime | None = None) -> Row:
@@ -267,6 +272,8 @@ def validate(msg: OutgoingMessage, *, max_size: int, now: datetime | None = None
         and msg.expires is None
         and isinstance(msg.properties, dict)
         and not msg.properties
+        and msg.priority == 0
+        and type(msg.priority) is int
     ):
         return Row(stage, *_NOTHING, header, body)
     return _checked(msg, header, body, now)
@@ -309,7 +316,14 @@ def _checked(
         _expiry(msg.expires, now),
         header,
         body,
+        _priority(msg.priority),
     )
+
+
+def _priority(value: object) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_PRIORITY:
+        raise InvalidMessage(f"priority must be an integer from 0 to {MAX_PRIORITY}, not {value!r}")
+    return value
 
 
 def _array_literal(items: list[str | None]) -> str:

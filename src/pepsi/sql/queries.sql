@@ -236,7 +236,7 @@ LIMIT 1;
 SELECT section, key, value FROM pepsi.config_override ORDER BY section, key;
 
 -- name: workqueue_publish
-SELECT out_ord, out_id, out_inserted FROM pepsi.workqueue_publish(%b::text[], %b::text[], %b::boolean[], %b::text[], %b::text[], %b::text[], %b::inet[], %b::text[], %b::text[], %b::text[], %b::text[], %b::jsonb[], %b::timestamptz[], %b::bytea[], %b::bytea[], %b::text[], %b::bigint[], %b::boolean[], %b::text[], %b)
+SELECT out_ord, out_id, out_inserted FROM pepsi.workqueue_publish(%b::text[], %b::text[], %b::boolean[], %b::text[], %b::text[], %b::text[], %b::inet[], %b::text[], %b::text[], %b::text[], %b::text[], %b::jsonb[], %b::timestamptz[], %b::bytea[], %b::bytea[], %b::text[], %b::bigint[], %b::boolean[], %b::text[], %b, %b::smallint[])
 
 -- name: workqueue_publish_plain
 SELECT * FROM pepsi.workqueue_publish_plain(%b::text[], %b::bytea[], %b::bytea[])
@@ -246,7 +246,7 @@ SELECT pepsi.workqueue_publish_one(%b::text, %b::bytea, %b::bytea)
 
 -- name: amqp_publish
 -- The AMQP listener's batch for queues without a length limit (pepsi.amqp_publish).
-SELECT pepsi.amqp_publish(%b::text[], %b::text[], %b::text[], %b::inet[], %b::text[], %b::text[], %b::jsonb[], %b::timestamptz[], %b::bytea[], %b::bytea[])
+SELECT pepsi.amqp_publish(%b::text[], %b::text[], %b::text[], %b::inet[], %b::text[], %b::text[], %b::jsonb[], %b::timestamptz[], %b::bytea[], %b::bytea[], %b::smallint[])
 
 -- name: database_exists
 -- The embedded server's first start: is the `pepsi` database there yet?
@@ -768,14 +768,23 @@ LEFT JOIN LATERAL (
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running';
 
 -- name: amqp_get
--- basic.get: claim the queue's oldest pending row (skipping one the dispatcher's
--- claim holds) and count what stays ready, in one statement.
-WITH next AS (
+-- basic.get: claim the queue's next pending row, its highest priority first, else its
+-- oldest (skipping one the dispatcher's claim holds), and count what stays ready, in
+-- one statement. Without priorities the first probe finds an empty index.
+WITH first AS (
     SELECT workqueue_id FROM pepsi.workqueue
-    WHERE stage = %(stage)s AND status = 'pending'
+    WHERE stage = %(stage)s AND status = 'pending' AND priority > 0
+    ORDER BY stage, priority DESC, workqueue_id
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+), oldest AS (
+    SELECT workqueue_id FROM pepsi.workqueue
+    WHERE stage = %(stage)s AND status = 'pending' AND NOT EXISTS (SELECT 1 FROM first)
     ORDER BY stage, workqueue_id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
+), next AS (
+    SELECT workqueue_id FROM first UNION ALL SELECT workqueue_id FROM oldest
 ), got AS (
     UPDATE pepsi.workqueue w SET status = 'running'
     FROM next WHERE w.workqueue_id = next.workqueue_id

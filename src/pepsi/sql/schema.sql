@@ -45,7 +45,9 @@ CREATE TABLE pepsi.workqueue (
     body_id        bigint,
     -- D-3: who the fair scheduler charges for this row.
     -- (filled by the trigger workqueue_sender_key, below)
-    sender_key     text NOT NULL
+    sender_key     text NOT NULL,
+    -- higher first (AMQP x-max-priority, priority=); 0: none (migration 0024)
+    priority       smallint NOT NULL DEFAULT 0
 );
 
 -- D-3: sender_key from the row, for every writer (a stored generated column was
@@ -109,6 +111,13 @@ CREATE INDEX workqueue_pending_sender_idx ON pepsi.workqueue (stage, sender_key,
     WHERE status = 'pending';
 CREATE INDEX workqueue_paused_idx ON pepsi.workqueue (timeout)
     WHERE status = 'paused';
+-- Rows with a priority, for the claims to take first: empty, and free, without any.
+CREATE INDEX workqueue_pending_priority_idx
+    ON pepsi.workqueue (stage, priority DESC, workqueue_id)
+    WHERE status = 'pending' AND priority > 0;
+CREATE INDEX workqueue_pending_sender_priority_idx
+    ON pepsi.workqueue (stage, sender_key, priority DESC, workqueue_id)
+    WHERE status = 'pending' AND priority > 0;
 CREATE INDEX workqueue_body_id_idx ON pepsi.workqueue (body_id)
     WHERE body_id IS NOT NULL;
 
@@ -428,7 +437,8 @@ CREATE FUNCTION pepsi.workqueue_publish(
     limit_lengths bigint[] DEFAULT '{}',
     limit_drop_heads boolean[] DEFAULT '{}',
     limit_bounces text[] DEFAULT '{}',
-    dedup_window double precision DEFAULT 86400
+    dedup_window double precision DEFAULT 86400,
+    priorities smallint[] DEFAULT NULL
 ) RETURNS TABLE (out_ord integer, out_id bigint, out_inserted boolean)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -452,10 +462,10 @@ BEGIN
                     THEN nextval('pepsi.workqueue_body_body_id_seq') END AS new_body_id
         FROM unnest(stages, message_ids, dedups, senders, recipients, origin_users,
                     origin_peers, header_froms, subjects, content_types, correlation_ids,
-                    properties, expires, headers, bodies) WITH ORDINALITY
+                    properties, expires, headers, bodies, priorities) WITH ORDINALITY
              AS u(stage, message_id, dedup, sender, recipients, origin_user, origin_peer,
                   header_from, subject, content_type, correlation_id, properties, expires,
-                  header, body, ord)
+                  header, body, priority, ord)
     ), dedup AS (
         INSERT INTO pepsi.publish_dedup AS d (message_id, workqueue_id, published)
         SELECT i.message_id, i.new_id, now() FROM input i WHERE i.deduped
@@ -478,12 +488,13 @@ BEGIN
         INSERT INTO pepsi.workqueue
             (workqueue_id, stage, message_id, sender, recipients, origin_user, origin_peer,
              header_from, subject, content_type, correlation_id, properties, expires, body_id,
-             sender_key)
+             sender_key, priority)
         SELECT f.new_id, f.stage, f.message_id, f.sender, coalesce(f.recipients::text[], '{}'),
                f.origin_user, f.origin_peer, f.header_from, f.subject, f.content_type,
                f.correlation_id, coalesce(f.properties, '{}'), f.expires, f.new_body_id,
                pepsi.workqueue_sender_key(f.origin_user, f.origin_peer, f.sender,
-                                          coalesce(f.recipients::text[], '{}'))
+                                          coalesce(f.recipients::text[], '{}')),
+               coalesce(f.priority, 0)
         FROM fresh f
         ORDER BY f.ord
     )
@@ -583,7 +594,8 @@ CREATE FUNCTION pepsi.amqp_publish(
     properties jsonb[],
     expires timestamptz[],
     headers bytea[],
-    bodies bytea[]
+    bodies bytea[],
+    priorities smallint[] DEFAULT NULL
 ) RETURNS void
 LANGUAGE sql AS $$
     SELECT set_config('synchronous_commit', 'on', true);
@@ -591,19 +603,21 @@ LANGUAGE sql AS $$
         SELECT u.*, CASE WHEN u.header IS NOT NULL OR u.body IS NOT NULL
                          THEN nextval('pepsi.workqueue_body_body_id_seq') END AS new_body_id
         FROM unnest(stages, message_ids, origin_users, origin_peers, content_types,
-                    correlation_ids, properties, expires, headers, bodies) WITH ORDINALITY
+                    correlation_ids, properties, expires, headers, bodies, priorities)
+             WITH ORDINALITY
              AS u(stage, message_id, origin_user, origin_peer, content_type, correlation_id,
-                  properties, expires, header, body, ord)
+                  properties, expires, header, body, priority, ord)
     ), stored_bodies AS (
         INSERT INTO pepsi.workqueue_body (body_id, header, body) OVERRIDING SYSTEM VALUE
         SELECT i.new_body_id, i.header, i.body FROM input i WHERE i.new_body_id IS NOT NULL
     )
     INSERT INTO pepsi.workqueue
         (stage, message_id, origin_user, origin_peer, content_type, correlation_id,
-         properties, expires, body_id, sender_key)
+         properties, expires, body_id, sender_key, priority)
     SELECT i.stage, i.message_id, i.origin_user, i.origin_peer, i.content_type,
            i.correlation_id, coalesce(i.properties, '{}'), i.expires, i.new_body_id,
-           pepsi.workqueue_sender_key(i.origin_user, i.origin_peer, NULL, '{}')
+           pepsi.workqueue_sender_key(i.origin_user, i.origin_peer, NULL, '{}'),
+           coalesce(i.priority, 0)
     FROM input i
     ORDER BY i.ord
 $$;
@@ -747,7 +761,8 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- P-4: the oldest-first claim (FAIR_SCHEDULING = no): for every stage with
--- free capacity, up to that stage's capacity of its oldest pending rows. Each
+-- free capacity, up to that stage's capacity of its pending rows, those with a
+-- priority first (highest first), then the oldest; returned in that order. Each
 -- lateral orders by (stage, workqueue_id) under an equality on stage, which is
 -- exactly the partial index, so the planner walks it and stops at the cap
 -- instead of scanning the primary key with a filter on a skewed backlog. The
@@ -763,27 +778,40 @@ SET enable_seqscan = off
 SET enable_bitmapscan = off
 SET enable_sort = off
 AS $$
-    UPDATE pepsi.workqueue w
-    SET status = 'running'
-    WHERE w.workqueue_id = ANY (ARRAY(
-            SELECT c.workqueue_id
-            FROM unnest(stages, caps) AS s(stage, cap)
-            CROSS JOIN LATERAL (
-                SELECT q.workqueue_id
-                FROM pepsi.workqueue q
-                WHERE q.stage = s.stage AND q.status = 'pending'
-                ORDER BY q.stage, q.workqueue_id
-                LIMIT s.cap
-            ) c
-          ))
-      -- IS NOT DISTINCT FROM: by the primary key whatever the statistics (0022)
-      AND w.status IS NOT DISTINCT FROM 'pending'
-    RETURNING w.workqueue_id, w.stage
+    WITH claimed AS (
+        UPDATE pepsi.workqueue w
+        SET status = 'running'
+        WHERE w.workqueue_id = ANY (ARRAY(
+                SELECT c.workqueue_id
+                FROM unnest(stages, caps) AS s(stage, cap)
+                CROSS JOIN LATERAL (
+                    -- rows with a priority first (their own index, empty without any),
+                    -- then the oldest; a row in both is claimed once
+                    (SELECT q.workqueue_id
+                     FROM pepsi.workqueue q
+                     WHERE q.stage = s.stage AND q.status = 'pending' AND q.priority > 0
+                     ORDER BY q.stage, q.priority DESC, q.workqueue_id
+                     LIMIT s.cap)
+                    UNION ALL
+                    (SELECT q.workqueue_id
+                     FROM pepsi.workqueue q
+                     WHERE q.stage = s.stage AND q.status = 'pending'
+                     ORDER BY q.stage, q.workqueue_id
+                     LIMIT s.cap)
+                    LIMIT s.cap
+                ) c
+              ))
+          -- IS NOT DISTINCT FROM: by the primary key whatever the statistics (0022)
+          AND w.status IS NOT DISTINCT FROM 'pending'
+        RETURNING w.workqueue_id, w.stage, w.priority
+    )  -- in the order they are to be served: highest priority first, then oldest
+    SELECT c.workqueue_id, c.stage FROM claimed c ORDER BY c.priority DESC, c.workqueue_id
 $$;
 
 -- P-4 + P-5: one call claims, for every stage, up to its capacity: first
 -- fifo[i] of its oldest rows whatever the sender, then, among the oldest
--- caps[i] rows of each of at most max_senders pending senders (a window that
+-- caps[i] rows of each of at most max_senders pending senders (with rows that
+-- have a priority pending: the highest first, for the head and each sender) (a window that
 -- starts after starts[i] and wraps around), the rows ranked lowest by
 -- lag + k × average (k-th oldest row of its sender; ties: oldest first).
 -- Lags come as one JSON object, {stage: {sender: seconds}} (a sender looked
@@ -817,6 +845,7 @@ DECLARE
     chosen bigint[];
     attempt integer;
     stage_lags jsonb;
+    prioritised boolean;
 BEGIN
     next_starts := '{}';
     FOR i IN 1 .. coalesce(array_length(stages, 1), 0) LOOP
@@ -831,6 +860,11 @@ BEGIN
             next_starts := next_starts || starts[i];
             CONTINUE;
         END IF;
+        -- Rows with a priority (x-max-priority, priority=): one probe of their index,
+        -- empty without any. With some, each sender's rows go highest first.
+        prioritised := EXISTS (SELECT 1 FROM pepsi.workqueue q
+                               WHERE q.stage = stages[i] AND q.status = 'pending'
+                                 AND q.priority > 0);
         stage_lags := coalesce(lags -> stages[i], '{}');
         senders := ARRAY(SELECT p.sender_key
                          FROM pepsi.workqueue_pending_senders(stages[i], starts[i], NULL,
@@ -845,7 +879,7 @@ BEGIN
                                            THEN senders[cardinality(senders)] ELSE '' END;
         -- One sender waiting (one producer, the common case): its oldest rows are
         -- the stage's oldest, whatever its lag: the ranking would choose them.
-        IF cardinality(senders) = 1 THEN
+        IF cardinality(senders) = 1 AND NOT prioritised THEN
             picked := picked || chosen[1:caps[i]];
             CONTINUE;
         END IF;
@@ -879,6 +913,7 @@ BEGIN
             FROM lagged g, level
             ORDER BY g.n);
         FOR attempt IN 1 .. 2 LOOP
+            EXIT WHEN prioritised;
             chosen := ARRAY(
                 WITH oldest AS (
                     SELECT q.workqueue_id FROM pepsi.workqueue q
@@ -908,17 +943,70 @@ BEGIN
             );
             EXIT WHEN cardinality(chosen) >= caps[i];
         END LOOP;
+        -- The same with rows that have a priority: the head and each sender's rows
+        -- taken highest first. A copy, so that the common case keeps its plans.
+        FOR attempt IN 1 .. 2 LOOP
+            EXIT WHEN NOT prioritised;
+            chosen := ARRAY(
+                WITH oldest AS (  -- the stage's head: highest priority, then oldest
+                    SELECT h.workqueue_id
+                    FROM ((SELECT q.workqueue_id, q.priority FROM pepsi.workqueue q
+                           WHERE q.stage = stages[i] AND q.status = 'pending'
+                             AND q.priority > 0
+                           ORDER BY q.stage, q.priority DESC, q.workqueue_id
+                           LIMIT least(fifo[i], caps[i]))
+                          UNION
+                          (SELECT q.workqueue_id, q.priority FROM pepsi.workqueue q
+                           WHERE q.stage = stages[i] AND q.status = 'pending'
+                           ORDER BY q.stage, q.workqueue_id
+                           LIMIT least(fifo[i], caps[i]))) h
+                    ORDER BY h.priority DESC, h.workqueue_id
+                    LIMIT least(fifo[i], caps[i])
+                ), candidate AS (
+                    SELECT c.workqueue_id,
+                           coalesce((stage_lags ->> s.sender_key)::float8, 0) + c.k * averages[i]
+                               AS score
+                    FROM unnest(senders) WITH ORDINALITY AS s(sender_key, n)
+                    CROSS JOIN LATERAL (
+                        -- the sender's rows highest priority first: those with one from
+                        -- their index, then its oldest (with their priority, from the row)
+                        SELECT o.workqueue_id,
+                               row_number() OVER (ORDER BY o.priority DESC, o.workqueue_id) AS k
+                        FROM ((SELECT q.workqueue_id, q.priority FROM pepsi.workqueue q
+                               WHERE q.stage = stages[i] AND q.status = 'pending'
+                                 AND q.sender_key = s.sender_key AND q.priority > 0
+                               ORDER BY q.stage, q.sender_key, q.priority DESC, q.workqueue_id
+                               LIMIT CASE WHEN attempt = 1 THEN limits[s.n] ELSE caps[i] END)
+                              UNION
+                              (SELECT q.workqueue_id, q.priority FROM pepsi.workqueue q
+                               WHERE q.stage = stages[i] AND q.status = 'pending'
+                                 AND q.sender_key = s.sender_key
+                               ORDER BY q.stage, q.sender_key, q.workqueue_id
+                               LIMIT CASE WHEN attempt = 1 THEN limits[s.n] ELSE caps[i] END)) o
+                        ORDER BY o.priority DESC, o.workqueue_id
+                        LIMIT CASE WHEN attempt = 1 THEN limits[s.n] ELSE caps[i] END
+                    ) c
+                )
+                SELECT o.workqueue_id FROM oldest o
+                UNION ALL
+                (SELECT c.workqueue_id FROM candidate c
+                 WHERE c.workqueue_id NOT IN (SELECT o.workqueue_id FROM oldest o)
+                 ORDER BY c.score, c.workqueue_id
+                 LIMIT caps[i] - (SELECT count(*) FROM oldest))
+            );
+            EXIT WHEN cardinality(chosen) >= caps[i];
+        END LOOP;
         picked := picked || chosen;
     END LOOP;
     WITH claimed AS (
         UPDATE pepsi.workqueue w SET status = 'running'
         -- IS NOT DISTINCT FROM: by the primary key whatever the statistics (0022)
         WHERE w.workqueue_id = ANY(picked) AND w.status IS NOT DISTINCT FROM 'pending'
-        RETURNING w.workqueue_id, w.stage, w.sender_key
-    )
-    SELECT coalesce(array_agg(c.workqueue_id ORDER BY c.workqueue_id), '{}'),
-           coalesce(array_agg(c.stage ORDER BY c.workqueue_id), '{}'),
-           coalesce(array_agg(c.sender_key ORDER BY c.workqueue_id), '{}')
+        RETURNING w.workqueue_id, w.stage, w.sender_key, w.priority
+    )  -- in the order they are to be served: highest priority first, then oldest
+    SELECT coalesce(array_agg(c.workqueue_id ORDER BY c.priority DESC, c.workqueue_id), '{}'),
+           coalesce(array_agg(c.stage ORDER BY c.priority DESC, c.workqueue_id), '{}'),
+           coalesce(array_agg(c.sender_key ORDER BY c.priority DESC, c.workqueue_id), '{}')
     INTO ids, id_stages, id_senders
     FROM claimed c;
 END
@@ -969,11 +1057,11 @@ BEGIN
         INSERT INTO pepsi.workqueue
             (stage, status, arrived, expires, message_id, sender, recipients, origin_user,
              origin_peer, header_from, subject, content_type, correlation_id, properties,
-             state, body_id)
+             state, body_id, priority)
         SELECT w.stage, 'pending', w.arrived, w.expires, w.message_id, w.sender, r.recipients,
                w.origin_user, w.origin_peer, w.header_from, w.subject, w.content_type,
                w.correlation_id, w.properties, w.state || jsonb_build_object('split_from', id),
-               w.body_id
+               w.body_id, w.priority
         FROM pepsi.workqueue w CROSS JOIN rest r
         WHERE w.workqueue_id = id
         ORDER BY r.n
@@ -1246,13 +1334,14 @@ BEGIN
         INSERT INTO pepsi.workqueue
             (stage, status, timeout, arrived, expires, message_id, sender, recipients,
              origin_user, origin_peer, header_from, subject, content_type, correlation_id,
-             properties, state, body_id)
+             properties, state, body_id, priority)
         SELECT p.value ->> 'stage', (p.value ->> 'status')::pepsi.workqueue_status,
                (p.value ->> 'timeout')::timestamptz, w.arrived, w.expires, w.message_id,
                w.sender, ARRAY(SELECT jsonb_array_elements_text(p.value -> 'recipients')),
                w.origin_user, w.origin_peer, w.header_from, w.subject, w.content_type,
                w.correlation_id, w.properties,
-               (p.value -> 'state') || jsonb_build_object('split_from', id), w.body_id
+               (p.value -> 'state') || jsonb_build_object('split_from', id), w.body_id,
+               w.priority
         FROM pepsi.workqueue w
         CROSS JOIN jsonb_array_elements(parts) WITH ORDINALITY AS p(value, n)
         WHERE w.workqueue_id = id AND jsonb_typeof(p.value -> 'stage') = 'string'
