@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tests.scenarios.conftest import REPO, Pipeline, wait_until
 
@@ -340,4 +342,36 @@ def test_a_stage_defined_only_in_the_overlay_is_dispatched(pipeline: Pipeline) -
     assert "dispatching 2 stages: a, extra" in dispatcher.log
     wait_until(lambda: pipeline.remaining() == 0, what="the overlay stage to drain")
     assert effects_per_message(pipeline) == {(i, "extra"): 1 for i in ids}
+    assert dispatcher.stop() == 0
+
+
+def test_pepsi_queue_tells_started_messages_from_those_read_ahead(pipeline: Pipeline) -> None:
+    """Issue 33: the claim sets a row `running` when it goes into a worker's queue; the
+    worker starts it later. `pepsi queue` shows the ones not started as `claimed`, from
+    the dispatcher's live snapshot (which names each worker's head)."""
+    pipeline.configure("[stage-slow]\nHANDLER = tests.stages:slow\nPARALLELISM = 1\n")
+    dispatcher = pipeline.start()
+    ids = pipeline.publish("slow", count=4, properties={"sleep": 3})
+    wait_until(
+        lambda: (
+            pipeline.scalar("SELECT count(*) FROM pepsi.workqueue WHERE status = 'running'") >= 2
+        ),
+        what="a worker to hold more than one message",
+    )
+    queue = [sys.executable, "-m", "pepsi", "-c", str(pipeline.conf), "queue"]
+
+    def run(*args: str) -> Any:
+        done = subprocess.run(
+            [*queue, *args, "--json"], env=pipeline.env(), cwd=REPO,
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    listed = {item["id"]: item["status"] for item in run("list", "--stage", "slow")}
+    held = [i for i in ids if listed.get(i) in ("running", "claimed")]
+    assert [listed[i] for i in held] == ["running"] + ["claimed"] * (len(held) - 1)
+    (stage,) = run("status")["stages"]
+    assert stage["running"] == 1
+    assert stage.get("claimed", 0) >= 1
     assert dispatcher.stop() == 0

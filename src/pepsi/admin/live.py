@@ -77,6 +77,8 @@ class Part:
     part: int = 1
     parts: int = 1
     dropped: int = 0  # stages left out of the snapshot (too many to send)
+    executing: tuple[int, ...] = ()  # the messages workers have started (their heads)
+    executing_complete: bool = True  # False: more were started than the snapshot names
 
 
 # A whole snapshot is a part that is the only one.
@@ -109,6 +111,8 @@ def parse(payload: str) -> Part:
             part=int(data.get("part", 1)),
             parts=int(data.get("parts", 1)),
             dropped=int(data.get("dropped", 0)),
+            executing=tuple(int(i) for i in data.get("executing", ())),
+            executing_complete=bool(data.get("executing_complete", True)),
         )
     except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not a live snapshot: {exc}") from None
@@ -140,6 +144,7 @@ class Assembler:
             pid=part.pid, started=part.started, at=part.at, seq=part.seq,
             quiet_since=part.quiet_since, interval=part.interval, heartbeat=part.heartbeat,
             final=part.final, dispatch=part.dispatch, stages=stages, dropped=part.dropped,
+            executing=part.executing, executing_complete=part.executing_complete,
         )  # fmt: skip
 
 

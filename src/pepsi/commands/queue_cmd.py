@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
-from pepsi.admin import horizon, queue, serving
+from pepsi.admin import claimed, horizon, queue, serving
 from pepsi.admin.connection import open_current
 from pepsi.commands import Context, summary
 from pepsi.errors import EX_OK, QueueError, RepairRefused
@@ -97,11 +98,16 @@ def run_status(args: argparse.Namespace, ctx: Context) -> int:
     with open_current(ctx.config()) as conn:
         read = queue.status(conn)
         dispatcher, serves = serving.served(conn)
+        counts: Mapping[str, Mapping[str, int]] = {s.stage: s.counts for s in read.stages}
+        if dispatcher is not None and claimed.has_worker_rows(counts):
+            begun = claimed.started(conn)  # read ahead or started: the dispatcher says
+            if begun is not None:
+                counts = claimed.split_counts(counts, claimed.started_by_stage(conn, begun))
     holder = read.horizon
     pending = {s.stage: s.counts.get("pending", 0) for s in read.stages}
     unserved = serving.unserved(pending, serves, running=dispatcher is not None)
     data: dict[str, Any] = {
-        "stages": [_stage_data(s) for s in read.stages],
+        "stages": [_stage_data(s, counts[s.stage]) for s in read.stages],
         "failures": [asdict(f) for f in read.failures],
         "oldest_transaction": None
         if holder is None
@@ -114,7 +120,7 @@ def run_status(args: argparse.Namespace, ctx: Context) -> int:
     from pepsi.terminal import console, table  # noqa: PLC0415  # rich loads slowly
 
     out = console()
-    statuses = ("pending", "running", "paused", "failed", "timeout")
+    statuses = ("pending", "claimed", "running", "paused", "failed", "timeout")
     grid = table("queue", "stage", *statuses, "oldest pending", "next retry")
     for row in data["stages"]:
         oldest = row.get("oldest_pending_s")
@@ -140,11 +146,11 @@ def run_status(args: argparse.Namespace, ctx: Context) -> int:
     return EX_OK
 
 
-def _stage_data(stage: queue.StageStatus) -> dict[str, Any]:
+def _stage_data(stage: queue.StageStatus, counts: Mapping[str, int]) -> dict[str, Any]:
     oldest = stage.oldest_pending_s
     return {
         "stage": stage.stage,
-        **stage.counts,  # only the statuses present
+        **counts,  # only the statuses present; `claimed`: running, not started yet
         "oldest_pending_s": None if oldest is None else round(oldest, 1),
         "next_retry": stage.next_retry,
     }
@@ -156,6 +162,10 @@ def run_list(args: argparse.Namespace, ctx: Context) -> int:
     where = queue.MessageFilter(stage=args.stage, status=args.status, sender_key=args.sender_key)
     with open_current(ctx.config()) as conn:
         items = [asdict(m) for m in queue.list_messages(conn, where, limit=args.limit)]
+        if any(i["status"] == "running" for i in items) and serving.served(conn)[0] is not None:
+            begun = claimed.started(conn)  # read ahead or started: the dispatcher says
+            for item in items:
+                item["status"] = claimed.label(item["status"], item["id"], item["stage"], begun)
     if args.json:
         _emit(items)
         return EX_OK

@@ -310,6 +310,14 @@ class Dispatcher:
                     name: pool.limit(self.supervisor.cap(name, now)) for name, pool in pools.items()
                 },
                 started=self.started_at.timestamp(),
+                executing=tuple(
+                    sorted(
+                        w.inflight[0]
+                        for pool in pools.values()
+                        for w in pool.workers.values()
+                        if w.ready and w.inflight
+                    )
+                ),
             ),
         )
 

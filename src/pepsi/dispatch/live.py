@@ -45,6 +45,7 @@ LIVE_INTERVAL = 1.0  # seconds between snapshots while busy
 LIVE_HEARTBEAT = 10.0  # seconds: an idle dispatcher still says it is alive about this often
 PAYLOAD_LIMIT = 7800  # bytes per notification; PostgreSQL refuses 8000 and more
 MAX_PARTS = 8  # notifications per snapshot; stages beyond are dropped (`dropped`)
+MAX_EXECUTING = 400  # ids of started messages per snapshot (`executing_complete` if all)
 
 # Per stage, in this order: counters since start (Stats), then gauges (Gauges).
 STAGE_COUNTERS = ("processed", "failed", "requeued", "finished", "advanced", "retries", "strikes")
@@ -65,6 +66,7 @@ def _key(snapshot: Snapshot) -> tuple[Any, ...]:
         sorted((k, n) for k, n in counts.dispatch.items() if k not in PASSIVE and n),
         sorted(gauges.workers.items()),
         sorted(gauges.in_flight.items()),
+        gauges.executing,
     )
 
 
@@ -107,6 +109,10 @@ def payloads(
         "final": final,
         "dispatch": {k: int(snapshot.counts.dispatch.get(k, 0)) for k in DISPATCH_FIELDS},
         "fields": list(FIELDS),
+        # the messages a worker has started (the head of each); `pepsi queue` tells them
+        # from those read ahead, which are `running` in the table too
+        "executing": list(snapshot.gauges.executing[:MAX_EXECUTING]),
+        "executing_complete": len(snapshot.gauges.executing) <= MAX_EXECUTING,
     }
     entries = [json.dumps(name) + ":" + json.dumps(values, separators=(",", ":"))
                for name, values in stage_rows(snapshot)]  # fmt: skip

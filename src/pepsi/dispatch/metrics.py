@@ -61,6 +61,8 @@ class Gauges:
     in_flight: dict[str, int] = field(default_factory=dict)
     worker_limit: dict[str, int] = field(default_factory=dict)
     started: float = 0.0  # the dispatcher's start, Unix time
+    # the message at the head of each worker: started; the rest a worker holds is read ahead
+    executing: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1196,3 +1196,10 @@ WHERE w.workqueue_id = ANY(ARRAY(SELECT (e ->> 'workqueue_id')::bigint
 SELECT pepsi.workqueue_record_split(
     %(id)s, %(stage)s, %(parts)s::jsonb, %(spawn)s::jsonb, %(spawn_headers)s::bytea[],
     %(spawn_bodies)s::bytea[], %(edits)s::jsonb, %(header)s::bytea, %(body)s::bytea, %(token)s);
+
+-- name: workqueue_started_by_stage
+-- `pepsi queue`: how many of the messages workers have started (the dispatcher's live
+-- snapshot names them) are running, per stage; one probe of the primary key each.
+SELECT stage, count(*) FROM pepsi.workqueue
+WHERE workqueue_id = ANY(%(ids)s::bigint[]) AND status = 'running'
+GROUP BY stage;
