@@ -27,8 +27,9 @@ def insert(conn: Conn, stage: str, rows: list[tuple[str, int]]) -> list[int]:
 
 
 def fifo(conn: Conn, stage: str, cap: int) -> list[int]:
+    """The claimed ids in the order the dispatcher serves them (by the priority returned)."""
     rows = conn.execute(query("workqueue_claim_fifo"), {"stages": [stage], "caps": [cap]})
-    return [int(r[0]) for r in rows.fetchall()]
+    return [int(r[0]) for r in sorted(rows.fetchall(), key=lambda r: (-r[2], r[0]))]
 
 
 def fair(conn: Conn, stage: str, cap: int, fifo_share: int = 0) -> list[int]:

@@ -179,7 +179,7 @@ WHERE w.workqueue_id = ANY(ARRAY(SELECT (e ->> 'workqueue_id')::bigint
 -- name: workqueue_claim_fifo
 -- P-4: one statement claims, for every stage with free capacity, up to that
 -- stage's capacity of its oldest pending rows (see pepsi.workqueue_claim_fifo).
-SELECT workqueue_id, stage FROM pepsi.workqueue_claim_fifo(%(stages)s::text[], %(caps)s::integer[]);
+SELECT workqueue_id, stage, priority FROM pepsi.workqueue_claim_fifo(%(stages)s::text[], %(caps)s::integer[]);
 
 -- name: workqueue_requeue_running
 -- Give claimed rows back (never ran, or their worker died): only rows still

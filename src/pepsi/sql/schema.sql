@@ -762,7 +762,7 @@ $$;
 
 -- P-4: the oldest-first claim (FAIR_SCHEDULING = no): for every stage with
 -- free capacity, up to that stage's capacity of its pending rows, those with a
--- priority first (highest first), then the oldest; returned in that order. Each
+-- priority first (highest first), then the oldest; returned with their priority. Each
 -- lateral orders by (stage, workqueue_id) under an equality on stage, which is
 -- exactly the partial index, so the planner walks it and stops at the cap
 -- instead of scanning the primary key with a filter on a skewed backlog. The
@@ -772,40 +772,38 @@ $$;
 -- pages), the planner took a bitmap of every pending row of the stage and
 -- sorted it (107 ms a claim on a 200 000-row backlog).
 CREATE FUNCTION pepsi.workqueue_claim_fifo(stages text[], caps integer[])
-RETURNS TABLE (workqueue_id bigint, stage text)
+RETURNS TABLE (workqueue_id bigint, stage text, priority smallint)
 LANGUAGE sql
 SET enable_seqscan = off
 SET enable_bitmapscan = off
 SET enable_sort = off
 AS $$
-    WITH claimed AS (
-        UPDATE pepsi.workqueue w
-        SET status = 'running'
-        WHERE w.workqueue_id = ANY (ARRAY(
-                SELECT c.workqueue_id
-                FROM unnest(stages, caps) AS s(stage, cap)
-                CROSS JOIN LATERAL (
-                    -- rows with a priority first (their own index, empty without any),
-                    -- then the oldest; a row in both is claimed once
-                    (SELECT q.workqueue_id
-                     FROM pepsi.workqueue q
-                     WHERE q.stage = s.stage AND q.status = 'pending' AND q.priority > 0
-                     ORDER BY q.stage, q.priority DESC, q.workqueue_id
-                     LIMIT s.cap)
-                    UNION ALL
-                    (SELECT q.workqueue_id
-                     FROM pepsi.workqueue q
-                     WHERE q.stage = s.stage AND q.status = 'pending'
-                     ORDER BY q.stage, q.workqueue_id
-                     LIMIT s.cap)
-                    LIMIT s.cap
-                ) c
-              ))
-          -- IS NOT DISTINCT FROM: by the primary key whatever the statistics (0022)
-          AND w.status IS NOT DISTINCT FROM 'pending'
-        RETURNING w.workqueue_id, w.stage, w.priority
-    )  -- in the order they are to be served: highest priority first, then oldest
-    SELECT c.workqueue_id, c.stage FROM claimed c ORDER BY c.priority DESC, c.workqueue_id
+    UPDATE pepsi.workqueue w
+    SET status = 'running'
+    WHERE w.workqueue_id = ANY (ARRAY(
+            SELECT c.workqueue_id
+            FROM unnest(stages, caps) AS s(stage, cap)
+            CROSS JOIN LATERAL (
+                -- rows with a priority first (their own index, empty without any),
+                -- then the oldest; a row in both is claimed once
+                (SELECT q.workqueue_id
+                 FROM pepsi.workqueue q
+                 WHERE q.stage = s.stage AND q.status = 'pending' AND q.priority > 0
+                 ORDER BY q.stage, q.priority DESC, q.workqueue_id
+                 LIMIT s.cap)
+                UNION ALL
+                (SELECT q.workqueue_id
+                 FROM pepsi.workqueue q
+                 WHERE q.stage = s.stage AND q.status = 'pending'
+                 ORDER BY q.stage, q.workqueue_id
+                 LIMIT s.cap)
+                LIMIT s.cap
+            ) c
+          ))
+      -- IS NOT DISTINCT FROM: by the primary key whatever the statistics (0022)
+      AND w.status IS NOT DISTINCT FROM 'pending'
+    -- with the priority: the dispatcher serves the rows highest first, then oldest
+    RETURNING w.workqueue_id, w.stage, w.priority
 $$;
 
 -- P-4 + P-5: one call claims, for every stage, up to its capacity: first

@@ -171,41 +171,40 @@ LANGUAGE sql AS $$
     ORDER BY i.ord
 $$;
 
-CREATE OR REPLACE FUNCTION pepsi.workqueue_claim_fifo(stages text[], caps integer[])
-RETURNS TABLE (workqueue_id bigint, stage text)
+DROP FUNCTION pepsi.workqueue_claim_fifo;  -- it returns the priority too
+CREATE FUNCTION pepsi.workqueue_claim_fifo(stages text[], caps integer[])
+RETURNS TABLE (workqueue_id bigint, stage text, priority smallint)
 LANGUAGE sql
 SET enable_seqscan = off
 SET enable_bitmapscan = off
 SET enable_sort = off
 AS $$
-    WITH claimed AS (
-        UPDATE pepsi.workqueue w
-        SET status = 'running'
-        WHERE w.workqueue_id = ANY (ARRAY(
-                SELECT c.workqueue_id
-                FROM unnest(stages, caps) AS s(stage, cap)
-                CROSS JOIN LATERAL (
-                    -- rows with a priority first (their own index, empty without any),
-                    -- then the oldest; a row in both is claimed once
-                    (SELECT q.workqueue_id
-                     FROM pepsi.workqueue q
-                     WHERE q.stage = s.stage AND q.status = 'pending' AND q.priority > 0
-                     ORDER BY q.stage, q.priority DESC, q.workqueue_id
-                     LIMIT s.cap)
-                    UNION ALL
-                    (SELECT q.workqueue_id
-                     FROM pepsi.workqueue q
-                     WHERE q.stage = s.stage AND q.status = 'pending'
-                     ORDER BY q.stage, q.workqueue_id
-                     LIMIT s.cap)
-                    LIMIT s.cap
-                ) c
-              ))
-          -- IS NOT DISTINCT FROM: by the primary key whatever the statistics (0022)
-          AND w.status IS NOT DISTINCT FROM 'pending'
-        RETURNING w.workqueue_id, w.stage, w.priority
-    )  -- in the order they are to be served: highest priority first, then oldest
-    SELECT c.workqueue_id, c.stage FROM claimed c ORDER BY c.priority DESC, c.workqueue_id
+    UPDATE pepsi.workqueue w
+    SET status = 'running'
+    WHERE w.workqueue_id = ANY (ARRAY(
+            SELECT c.workqueue_id
+            FROM unnest(stages, caps) AS s(stage, cap)
+            CROSS JOIN LATERAL (
+                -- rows with a priority first (their own index, empty without any),
+                -- then the oldest; a row in both is claimed once
+                (SELECT q.workqueue_id
+                 FROM pepsi.workqueue q
+                 WHERE q.stage = s.stage AND q.status = 'pending' AND q.priority > 0
+                 ORDER BY q.stage, q.priority DESC, q.workqueue_id
+                 LIMIT s.cap)
+                UNION ALL
+                (SELECT q.workqueue_id
+                 FROM pepsi.workqueue q
+                 WHERE q.stage = s.stage AND q.status = 'pending'
+                 ORDER BY q.stage, q.workqueue_id
+                 LIMIT s.cap)
+                LIMIT s.cap
+            ) c
+          ))
+      -- IS NOT DISTINCT FROM: by the primary key whatever the statistics (0022)
+      AND w.status IS NOT DISTINCT FROM 'pending'
+    -- with the priority: the dispatcher serves the rows highest first, then oldest
+    RETURNING w.workqueue_id, w.stage, w.priority
 $$;
 
 CREATE OR REPLACE FUNCTION pepsi.workqueue_claim_fair(
