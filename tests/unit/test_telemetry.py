@@ -25,7 +25,7 @@ from pepsi.admin.telemetry import rewrite, write_switch
 from pepsi.config import Config, load_config
 from pepsi.errors import ConfigError
 from pepsi.publishing.message import OutgoingMessage
-from pepsi.telemetry_otel import exporters
+from pepsi.telemetry.otel import exporters
 
 CONF = """\
 [pepsi]
@@ -95,8 +95,8 @@ def test_on_without_the_package_warns_once_and_stays_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setitem(sys.modules, "opentelemetry", None)  # as if not installed
-    monkeypatch.delitem(sys.modules, "pepsi.telemetry_otel", raising=False)
-    monkeypatch.delattr(pepsi, "telemetry_otel", raising=False)  # imported afresh, and fails
+    monkeypatch.delitem(sys.modules, "pepsi.telemetry.otel", raising=False)
+    monkeypatch.delattr(pepsi.telemetry, "otel", raising=False)  # imported afresh, and fails
     with caplog.at_level(logging.WARNING, logger="pepsi.telemetry"):
         sink = telemetry.install(config_with(tmp_path, on=True))
     assert sink is telemetry.NO_SINK

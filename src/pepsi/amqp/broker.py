@@ -404,6 +404,8 @@ def _as_publish_error(error: AMQPError) -> None:
 class BrokerChannel(ConsumingChannel):
     """One channel's exchanges, queues and publishes (and, inherited, its consuming)."""
 
+    broker: Broker  # the whole broker here; consuming knows it by what it uses
+
     def __init__(self, broker: Broker, channel: Channel) -> None:
         self.broker = broker
         super().__init__(channel)

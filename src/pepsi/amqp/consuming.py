@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pamqp import base, commands
 
@@ -32,7 +32,24 @@ from pepsi.amqp.replies import (
 from pepsi.amqp.routing import QUEUE
 
 if TYPE_CHECKING:
-    from pepsi.amqp.broker import Broker
+    from pepsi.amqp.catalogue import Catalogue
+    from pepsi.amqp.delivery import Deliverer
+    from pepsi.amqp.expiry import Expiry
+    from pepsi.amqp.publisher import Batcher
+
+
+class Broker(Protocol):
+    """What a consuming channel needs of the broker (`broker.Broker`, whose channels
+    these are: this module does not import it back)."""
+
+    deliverer: Deliverer
+    batcher: Batcher
+    catalogue: Catalogue
+    expiry: Expiry
+
+    def spawn(self, coro: Any) -> None: ...
+
+    async def auto_delete_queue(self, vhost: str, name: str) -> None: ...
 
 
 def stage_queue_text(queue: Queue, vhost: str) -> str:

@@ -55,7 +55,7 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import psycopg
 
@@ -68,7 +68,19 @@ from pepsi.db.queries import query
 from pepsi.errors import PepsiError, one_line
 
 if TYPE_CHECKING:
-    from pepsi.amqp.broker import Broker
+    from pepsi.amqp.delivery import Deliverer
+    from pepsi.amqp.publisher import Batcher
+
+
+class Broker(Protocol):
+    """What the expiry pass needs of the broker (`broker.Broker`, which runs it: this
+    module does not import it back)."""
+
+    deliverer: Deliverer
+    batcher: Batcher
+
+    async def delete_queue(self, vhost: str, name: str) -> int: ...
+
 
 log = logging.getLogger("pepsi.amqp")
 

@@ -10,18 +10,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Future
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 
 from pepsi.publishing import batch
 from pepsi.publishing.message import OutgoingMessage
 
 if TYPE_CHECKING:
-    from pepsi.publishing.client import AsyncPublisher
+    from pepsi.config import Config
 
 T = TypeVar("T")
+
+
+class AsyncPublisher(Protocol):
+    """What a pipeline needs of its publisher: `publishing.client.AsyncPublisher`, which
+    makes pipelines (so this module does not import it back)."""
+
+    @property
+    def config(self) -> Config: ...
+
+    async def open(self) -> None: ...
+
+    async def refresh(self) -> None: ...
+
+    async def publish_many(self, messages: Iterable[OutgoingMessage]) -> list[int]: ...
+
+    def pipeline(
+        self, *, max_outstanding: int = ..., max_batch: int = ..., concurrency: int = ...
+    ) -> Pipeline: ...
+
+    async def close(self) -> None: ...
 
 
 def _check(max_outstanding: int, max_batch: int, concurrency: int) -> None:

@@ -22,52 +22,19 @@ Off, nothing of OpenTelemetry is imported and the sink is `NO_SINK`, whose
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from pepsi.config import Config, StageConfig
+from pepsi.telemetry.features import features
+from pepsi.telemetry.sink import NO_SINK, SCOPE, TRACEPARENT, Outcome, Sink
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricReader
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from pepsi.publishing.message import OutgoingMessage
-
 log = logging.getLogger("pepsi.telemetry")
 
-TRACEPARENT = "traceparent"  # W3C trace context, in a message's properties
-SCOPE = "pepsi"
-# Stage fields that are not options, or whose value would say more than a name.
-_NOT_OPTIONS = frozenset({"name", "program", "handler", "builtin", "builtin_options"})
-
-Outcome = Callable[[str], None]  # records a pass's outcome on its span
-
-
-class Sink:
-    """Telemetry off: nothing is reported, nothing is imported (`telemetry_otel.OtelSink`: on)."""
-
-    enabled = False
-
-    @contextlib.contextmanager
-    def stage_pass(self, msg_id: int, stage: str, parent: object) -> Iterator[Outcome]:
-        yield _ignore
-
-    @contextlib.contextmanager
-    def publish(self, items: list[OutgoingMessage]) -> Iterator[list[OutgoingMessage]]:
-        yield items
-
-    def shutdown(self) -> None:
-        return None
-
-
-def _ignore(outcome: str) -> None:
-    return None
-
-
-NO_SINK = Sink()
 _process_sink: Sink | None = None  # what this process's publishers report to
 
 
@@ -90,9 +57,9 @@ def install(
     if not config.pepsi.share_telemetry:
         return NO_SINK
     try:
-        from pepsi import telemetry_otel  # noqa: PLC0415  # only when on: off imports none of it
+        from pepsi.telemetry import otel  # noqa: PLC0415  # only when on: off imports none of it
 
-        sink: Sink = telemetry_otel.build(config, stage, span_exporter, metric_reader)
+        sink: Sink = otel.build(config, stage, span_exporter, metric_reader)
     except ImportError as exc:
         log.warning(
             "SHARE_TELEMETRY is on but OpenTelemetry is missing (%s): telemetry off; "
@@ -114,34 +81,6 @@ def for_publisher(config: Config) -> Sink:
     return _process_sink if _process_sink is not None else install(config)
 
 
-# -- feature usage -----------------------------------------------------------------------
-
-
-def features(config: Config, stage: StageConfig) -> tuple[dict[str, str], list[str]]:
-    """What a worker's stage uses: its kind (and built-in), and the names of options set.
-
-    Names only, from the configuration: never values, addresses, the
-    handler's module or anything of a message.
-    """
-    if stage.builtin is not None:
-        kind = {"pepsi.stage.kind": "builtin", "pepsi.builtin": stage.builtin}
-    elif stage.handler is not None:
-        kind = {"pepsi.stage.kind": "handler"}
-    else:
-        kind = {"pepsi.stage.kind": "program"}
-    default = StageConfig(name=stage.name)
-    options = [
-        f.name.upper()
-        for f in dataclasses.fields(StageConfig)
-        if f.name not in _NOT_OPTIONS and getattr(stage, f.name) != getattr(default, f.name)
-    ]
-    options += [f"BUILTIN.{key}" for key in _builtin_keys(stage.builtin_options)]
-    if not config.pepsi.allow_fusion:
-        options.append("PEPSI.ALLOW_FUSION")
-    return kind, options
-
-
-def _builtin_keys(options: object) -> Sequence[str]:
-    if options is None or not dataclasses.is_dataclass(options):
-        return ()
-    return [f.name.upper() for f in dataclasses.fields(options) if getattr(options, f.name)]
+__all__ = [
+    "NO_SINK", "SCOPE", "TRACEPARENT", "Outcome", "Sink", "features", "for_publisher", "install",
+]  # fmt: skip

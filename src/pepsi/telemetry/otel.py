@@ -27,7 +27,8 @@ from opentelemetry.trace import SpanKind, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pepsi.config import Config, StageConfig
-from pepsi.telemetry import SCOPE, TRACEPARENT, Outcome, Sink, features
+from pepsi.telemetry.features import features
+from pepsi.telemetry.sink import SCOPE, TRACEPARENT, Outcome, Sink
 
 if TYPE_CHECKING:
     from pepsi.publishing.message import OutgoingMessage
