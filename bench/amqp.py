@@ -230,7 +230,7 @@ class AckingConsumer:
 def pepsi_broker() -> Iterator[pika.ConnectionParameters]:
     import psycopg  # noqa: PLC0415
 
-    from pepsi.admin import amqp_users  # noqa: PLC0415
+    from pepsi.admin.accounts import amqp_users  # noqa: PLC0415
 
     dsn = scratch_database("pepsi_bench_amqp")
     with psycopg.connect(dsn, autocommit=True) as conn:

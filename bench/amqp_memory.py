@@ -33,11 +33,11 @@ import psycopg
 from common import scratch_database
 from pamqp import commands
 
-from pepsi.admin import amqp_users
-from pepsi.amqp import framing
-from pepsi.amqp.broker import Broker
-from pepsi.amqp.connection import ConnectionOptions
-from pepsi.amqp.server import serve
+from pepsi.admin.accounts import amqp_users
+from pepsi.amqp.broker.broker import Broker
+from pepsi.amqp.session.connection import ConnectionOptions
+from pepsi.amqp.session.server import serve
+from pepsi.amqp.wire import framing
 
 MIB = 1024 * 1024
 PASSWORD = "bench-secret"

@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 from common import scratch_database
 
-from pepsi.admin.activity import count_queue, read_sample
+from pepsi.admin.watch.activity import count_queue, read_sample
 from pepsi.db.queries import query
 from pepsi.dispatch.stats import Stats
 

@@ -32,7 +32,7 @@ import statistics
 import time
 from pathlib import Path
 
-from pepsi.amqp.routing import (
+from pepsi.amqp.model.routing import (
     MAX_TOPIC_EXCHANGE_WORDS,
     MAX_TOPIC_WORDS,
     QUEUE,

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from pepsi import Message, PermanentError, stage
-from pepsi.amqp.passwords import hash_password
+from pepsi.amqp.auth.passwords import hash_password
 from tests.scenarios.conftest import REPO, Pipeline, wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")

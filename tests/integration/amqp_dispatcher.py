@@ -16,7 +16,7 @@ import pika.exceptions
 import psycopg
 from pika.adapters.blocking_connection import BlockingChannel
 
-from pepsi.amqp.expiry import Expiry
+from pepsi.amqp.broker.expiry import Expiry
 from pepsi.config.parse import parse_config, parse_ini
 from pepsi.dispatch.coordinator import Dispatcher
 from tests.integration.amqp_harness import PASSWORD

@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 import pytest
 from pamqp import base, commands
 
-from pepsi.amqp import framing
-from pepsi.amqp.connection import ConnectionOptions
-from pepsi.amqp.server import Server, serve
+from pepsi.amqp.session.connection import ConnectionOptions
+from pepsi.amqp.session.server import Server, serve
+from pepsi.amqp.wire import framing
 
 T = TypeVar("T")
 PASSWORD = "s3cret"

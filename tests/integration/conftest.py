@@ -13,7 +13,7 @@ import pika.exceptions
 import psycopg
 import pytest
 
-from pepsi.admin import amqp_users
+from pepsi.admin.accounts import amqp_users
 from pepsi.config import Config
 from pepsi.worker.handlers import StageFunc
 from pepsi.worker.runner import StageRunner

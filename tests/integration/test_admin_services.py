@@ -13,9 +13,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pepsi.admin import activity
 from pepsi.admin.bouncer import Bouncer, BouncerSettings
 from pepsi.admin.database import NotEmbedded, database_status, embedded_server
+from pepsi.admin.watch import activity
 from pepsi.config import Config, load_config
 from pepsi.db.schema import SchemaState
 from pepsi.errors import DatabaseUnavailable, SchemaMismatch

@@ -17,9 +17,9 @@ import psycopg
 import pytest
 from pika.spec import BasicProperties
 
-from pepsi.admin import amqp_users
-from pepsi.amqp.broker import Broker
-from pepsi.amqp.connection import ConnectionOptions
+from pepsi.admin.accounts import amqp_users
+from pepsi.amqp.broker.broker import Broker
+from pepsi.amqp.session.connection import ConnectionOptions
 from pepsi.config.model import AmqpOptions
 from tests.integration.amqp_harness import PASSWORD, Listener, assert_no_server_bugs
 

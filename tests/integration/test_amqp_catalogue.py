@@ -8,8 +8,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from pepsi.admin import amqp_users
-from pepsi.admin.amqp_users import AlreadyExists, InvalidValue, UnknownUser, UnknownVhost
+from pepsi.admin.accounts import amqp_users
+from pepsi.admin.accounts.amqp_users import AlreadyExists, InvalidValue, UnknownUser, UnknownVhost
 from pepsi.db import schema
 from pepsi.errors import EX_NOUSER, EX_USAGE
 

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pepsi.admin import amqp_users
+from pepsi.admin.accounts import amqp_users
 from pepsi.cli import main
 from pepsi.errors import EX_NOUSER, EX_OK, EX_USAGE
 

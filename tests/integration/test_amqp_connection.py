@@ -21,9 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pamqp import commands
 
-from pepsi.admin import amqp_users
-from pepsi.amqp import framing
-from pepsi.amqp.connection import Channel, ChannelHandler, ConnectionOptions, connection_refusal
+from pepsi.admin.accounts import amqp_users
+from pepsi.amqp.session.connection import (
+    Channel,
+    ChannelHandler,
+    ConnectionOptions,
+    connection_refusal,
+)
+from pepsi.amqp.wire import framing
 from pepsi.config.model import AmqpOptions
 from tests.integration.amqp_harness import PASSWORD, Listener, Raw, assert_no_server_bugs
 from tests.scenarios.conftest import wait_until

@@ -17,8 +17,8 @@ import pytest
 from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import BasicProperties
 
-from pepsi.admin import amqp_users
-from pepsi.amqp.publisher import Batcher, Item, Unit
+from pepsi.admin.accounts import amqp_users
+from pepsi.amqp.broker.publisher import Batcher, Item, Unit
 from pepsi.db.backoff import Backoff
 from pepsi.publishing.message import Row
 from tests.integration.amqp_dispatcher import (

@@ -1,4 +1,4 @@
-"""The AMQP broker's expiry (pepsi.amqp.expiry): expired messages are dead-lettered with
+"""The AMQP broker's expiry (pepsi.amqp.broker.expiry): expired messages are dead-lettered with
 reason `expired`, unused queues with x-expires deleted. pika against a real dispatcher in
 this process, whose broker runs the expiry passes; outcomes are checked where they land,
 in pepsi.workqueue and pepsi.amqp_queue."""

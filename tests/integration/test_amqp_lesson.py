@@ -27,7 +27,7 @@ import psycopg
 import pytest
 from pika.spec import BasicProperties
 
-from pepsi.admin import amqp_users
+from pepsi.admin.accounts import amqp_users
 from tests.integration.amqp_dispatcher import DispatcherThread
 from tests.integration.amqp_harness import PASSWORD, assert_no_server_bugs
 from tests.scenarios.conftest import wait_until

@@ -1,4 +1,4 @@
-"""x-max-length-bytes (pepsi.amqp.expiry, BrokerChannel._item): drop-head queues lose their
+"""x-max-length-bytes (pepsi.amqp.broker.expiry, BrokerChannel._item): drop-head queues lose their
 oldest messages past the limit at the next expiry pass, dead-lettered with reason maxlen
 (or kept failed without a dead-letter exchange); reject-publish queues refuse, at publish,
 a message that would take them over, by the broker's estimate. pika against a real

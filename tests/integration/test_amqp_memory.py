@@ -13,11 +13,11 @@ import psycopg
 import pytest
 from pamqp import commands
 
-from pepsi.admin import amqp_users
-from pepsi.amqp import framing
-from pepsi.amqp.broker import Broker
-from pepsi.amqp.connection import ConnectionOptions
-from pepsi.amqp.memory import MIB, refusal
+from pepsi.admin.accounts import amqp_users
+from pepsi.amqp.broker.broker import Broker
+from pepsi.amqp.session.connection import ConnectionOptions
+from pepsi.amqp.session.memory import MIB, refusal
+from pepsi.amqp.wire import framing
 from pepsi.config.model import AmqpOptions
 from tests.integration.amqp_harness import PASSWORD, Listener, Raw, assert_no_server_bugs
 from tests.scenarios.conftest import wait_until

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from psycopg.types.json import Jsonb
 
 from pepsi.db.queries import query
-from pepsi.dispatch.fairness import rank
+from pepsi.dispatch.policy.fairness import rank
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 

@@ -17,15 +17,15 @@ import pytest
 from psycopg import sql
 
 from pepsi.config import Config, DispatchOptions, load_config
-from pepsi.dispatch.claimer import Claimer
 from pepsi.dispatch.coordinator import Dispatcher
-from pepsi.dispatch.fairness import FairShare
-from pepsi.dispatch.flusher import StatsFlusher
 from pepsi.dispatch.ledger import Claimed
+from pepsi.dispatch.policy.fairness import FairShare
 from pepsi.dispatch.rows import MAX_STRIKES, RowWriter
+from pepsi.dispatch.services.claimer import Claimer
+from pepsi.dispatch.services.flusher import StatsFlusher
+from pepsi.dispatch.services.sweeper import Sweeper, SweepOptions
 from pepsi.dispatch.session import Session, SessionOptions, connect
 from pepsi.dispatch.stats import Stats
-from pepsi.dispatch.sweeper import Sweeper, SweepOptions
 from pepsi.errors import AlreadyRunning, DatabaseReadOnly, classify, is_reconnect
 
 REPO = Path(__file__).resolve().parents[2]

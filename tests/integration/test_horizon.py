@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pepsi.admin.horizon import Holder, Probe, read_oldest
 from pepsi.db import schema
 from pepsi.db.embedded import EmbeddedServer
-from pepsi.dispatch.metrics import Gauges, MetricsServer, Snapshot
+from pepsi.dispatch.services.metrics import Gauges, MetricsServer, Snapshot
 from pepsi.dispatch.stats import Counts
 from pepsi.errors import DatabaseUnavailable
 

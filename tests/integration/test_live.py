@@ -15,8 +15,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pepsi.admin.live import LIVE, STOPPED, AsyncLiveListener, LiveListener, LiveSnapshot
-from pepsi.dispatch.live import LIVE_HEARTBEAT, heartbeat_bound
+from pepsi.admin.watch.live import LIVE, STOPPED, AsyncLiveListener, LiveListener, LiveSnapshot
+from pepsi.dispatch.services.live import LIVE_HEARTBEAT, heartbeat_bound
 from tests.scenarios.conftest import REPO, Pipeline, wait_until
 
 HOLD_AND_B = (

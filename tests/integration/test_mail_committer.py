@@ -1,4 +1,4 @@
-"""The ingress's commits (pepsi.mail.committer) against a real database, in process.
+"""The ingress's commits (pepsi.mail.ingress.committer) against a real database, in process.
 
 Concurrent sessions share commits: while one commit waits, the messages that
 arrive meanwhile go together into the next. Each commit is one transaction
@@ -15,8 +15,8 @@ import psycopg
 
 from pepsi.config import load_config
 from pepsi.errors import DatabaseUnavailable
-from pepsi.mail import replies
-from pepsi.mail.committer import Committer, reply_for
+from pepsi.mail.ingress.committer import Committer, reply_for
+from pepsi.mail.protocol import replies
 from pepsi.publishing import OutgoingMessage
 from pepsi.publishing.client import AsyncPublisher
 from pepsi.publishing.errors import InvalidMessage, NotConfirmed, Rejected

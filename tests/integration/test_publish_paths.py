@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from pepsi.amqp import arrays, publisher
+from pepsi.amqp.broker import arrays, publisher
 from pepsi.config import Config, load_config
 from pepsi.publishing import InvalidMessage, OutgoingMessage, Publisher, Rejected, batch
 from pepsi.publishing.message import Row
@@ -155,7 +155,7 @@ def test_amqp_batch_writes_what_the_general_path_writes(conn: Conn) -> None:
     assert len(lean) == len(slow) == 4
     got = rows(conn, lean)
     assert got == rows(conn, slow)
-    # as the batcher sends them: columns of one repeated value packed (pepsi.amqp.arrays)
+    # as the batcher sends them: columns of one repeated value packed (pepsi.amqp.broker.arrays)
     arrays.register(conn)
     for model, count in ((amqp_rows[0], 8), (amqp_rows[2], 9)):  # all set; mostly NULL
         same = [model._replace(body=b"same")] * 3

@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 from yarl import URL
 
-from pepsi.amqp.passwords import hash_password
+from pepsi.amqp.auth.passwords import hash_password
 from pepsi.config import Config
 from pepsi.config.parse import parse_config, parse_ini
 from pepsi.errors import ConfigError

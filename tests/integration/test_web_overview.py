@@ -16,8 +16,8 @@ import psycopg
 from pepsi.config import Config
 from pepsi.config.parse import parse_config, parse_ini
 from pepsi.db.queries import query_text
-from pepsi.dispatch.live import CHANNEL, payloads
-from pepsi.dispatch.metrics import Gauges, Snapshot
+from pepsi.dispatch.services.live import CHANNEL, payloads
+from pepsi.dispatch.services.metrics import Gauges, Snapshot
 from pepsi.dispatch.stats import Counts
 from pepsi.web import server
 from pepsi.web.overview_data import OVERVIEW

@@ -18,7 +18,7 @@ import pytest
 from psycopg import sql
 
 from pepsi.admin import queue
-from pepsi.amqp.passwords import hash_password
+from pepsi.amqp.auth.passwords import hash_password
 from pepsi.config import Config
 from pepsi.config.parse import parse_config, parse_ini
 from pepsi.db.queries import query

@@ -10,7 +10,7 @@ import pika
 import pika.exceptions
 import pytest
 
-from pepsi.admin import amqp_users
+from pepsi.admin.accounts import amqp_users
 from tests.scenarios.conftest import Pipeline, wait_until
 
 STAGES = "[stage-a]\nHANDLER = tests.stages:noop\n"
@@ -224,7 +224,7 @@ def test_a_peers_text_cannot_forge_a_line_of_the_dispatchers_log(pipeline: Pipel
     is written on one line now, its control characters escaped."""
     from pamqp import commands  # noqa: PLC0415
 
-    from pepsi.amqp import framing  # noqa: PLC0415
+    from pepsi.amqp.wire import framing  # noqa: PLC0415
     from tests.integration.test_amqp_connection import Raw  # noqa: PLC0415
 
     port = free_port()

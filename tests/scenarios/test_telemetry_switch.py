@@ -19,7 +19,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pepsi import telemetry
-from pepsi.admin.telemetry import live_workers
+from pepsi.admin.config.telemetry import live_workers
 from pepsi.cli import main
 from pepsi.config import load_config
 from pepsi.publishing import OutgoingMessage, Publisher

@@ -1,4 +1,4 @@
-"""Queue arguments, properties, redeclaration and names (pepsi.amqp.arguments)."""
+"""Queue arguments, properties, redeclaration and names (pepsi.amqp.model.arguments)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pepsi.amqp.arguments import (
+from pepsi.amqp.model.arguments import (
     QueueArguments,
     QueueDeclaration,
     check_queue_name,
@@ -24,7 +24,7 @@ from pepsi.amqp.arguments import (
     parse_queue_arguments,
     value_key,
 )
-from pepsi.amqp.replies import (
+from pepsi.amqp.wire.replies import (
     ACCESS_REFUSED,
     PRECONDITION_FAILED,
     RESOURCE_LOCKED,

@@ -1,13 +1,13 @@
-"""The expiry decisions of pepsi.amqp.expiry: message expiry with x-message-ttl, and
+"""The expiry decisions of pepsi.amqp.broker.expiry: message expiry with x-message-ttl, and
 which queues with x-expires are due for deletion."""
 
 from __future__ import annotations
 
 import datetime as dt
 
-from pepsi.amqp.arguments import QueueDeclaration
-from pepsi.amqp.catalogue import Queue
-from pepsi.amqp.expiry import expired_queues, first_use, ttl_expires
+from pepsi.amqp.broker.catalogue import Queue
+from pepsi.amqp.broker.expiry import expired_queues, first_use, ttl_expires
+from pepsi.amqp.model.arguments import QueueDeclaration
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
 

@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pamqp import commands
 
-from pepsi.amqp import framing
-from pepsi.amqp.arguments import QueueDeclaration
-from pepsi.amqp.broker import plain_stages
-from pepsi.amqp.catalogue import Queue, VhostView
-from pepsi.amqp.publisher import Item, Unit
+from pepsi.amqp.broker.broker import plain_stages
+from pepsi.amqp.broker.catalogue import Queue, VhostView
+from pepsi.amqp.broker.publisher import Item, Unit
+from pepsi.amqp.model.arguments import QueueDeclaration
+from pepsi.amqp.wire import framing
 from pepsi.publishing.message import Row
 
 PUBLISH_FIELDS = ("ticket", "exchange", "routing_key", "mandatory", "immediate")

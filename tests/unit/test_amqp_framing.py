@@ -1,4 +1,4 @@
-"""The AMQP 0-9-1 wire codec (pepsi.amqp.framing): real pika traffic, partial feeds,
+"""The AMQP 0-9-1 wire codec (pepsi.amqp.wire.framing): real pika traffic, partial feeds,
 body splitting, raw properties byte for byte, each error's reply code, and random bytes."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pamqp import commands
 
-from pepsi.amqp.framing import (
+from pepsi.amqp.wire.framing import (
     DEFAULT_MAX_MESSAGE_SIZE,
     FRAME_MIN_SIZE,
     HEARTBEAT,
@@ -50,7 +50,7 @@ from pepsi.amqp.framing import (
     encode_properties,
     routing_fields,
 )
-from pepsi.amqp.framing import shortstr as amqp_shortstr
+from pepsi.amqp.wire.framing import shortstr as amqp_shortstr
 
 # --- helpers ----------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Broker-added headers in raw content properties (pepsi.amqp.headers): the field encoder,
+"""Broker-added headers in raw content properties (pepsi.amqp.wire.headers): the field encoder,
 in-place table edits checked with pamqp's decoder and byte for byte, and the x-death
 bookkeeping of RabbitMQ 3.13."""
 
@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from pamqp import commands
 from pamqp import decode as pamqp_decode
 
-from pepsi.amqp import headers
-from pepsi.amqp.framing import decode_properties
-from pepsi.amqp.headers import (
+from pepsi.amqp.wire import headers
+from pepsi.amqp.wire.framing import decode_properties
+from pepsi.amqp.wire.headers import (
     CONTENT_ENCODING_BIT,
     CONTENT_TYPE_BIT,
     DELIVERY_MODE_BIT,

@@ -10,8 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pamqp import commands
 
-from pepsi.amqp import framing, replies
-from pepsi.amqp.connection import (
+from pepsi.amqp.session.connection import (
     CHANNEL_METHODS,
     ChannelHandler,
     Close,
@@ -24,6 +23,7 @@ from pepsi.amqp.connection import (
     not_implemented,
     server_properties,
 )
+from pepsi.amqp.wire import framing, replies
 from pepsi.config import merge_overlay, parse_config
 from pepsi.config.model import AmqpOptions, RawValue
 from pepsi.errors import ConfigError

@@ -6,7 +6,7 @@ import base64
 
 import pytest
 
-from pepsi.amqp import passwords
+from pepsi.amqp.auth import passwords
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pepsi.amqp import passwords
-from pepsi.amqp.permissions import (
+from pepsi.amqp.auth import passwords
+from pepsi.amqp.auth.permissions import (
     Access,
     Credentials,
     Permission,

@@ -10,16 +10,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pika.spec import BasicProperties
 
-from pepsi.amqp.broker import (
+from pepsi.amqp.broker.broker import (
     column_peer,
     column_text,
     parse_expiration,
     read_properties,
     routing_json,
 )
-from pepsi.amqp.framing import decode_properties
-from pepsi.amqp.publisher import Confirm, Item, group_confirms, lean_params, split
-from pepsi.amqp.replies import ChannelError
+from pepsi.amqp.broker.publisher import Confirm, Item, group_confirms, lean_params, split
+from pepsi.amqp.wire.framing import decode_properties
+from pepsi.amqp.wire.replies import ChannelError
 from pepsi.publishing.message import Row
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from pepsi.amqp.consumers import READ_AHEAD_MIN, ChannelBook, Consumer, Delivery
-from pepsi.amqp.delivery import LOAD_STEP, Deliverer, Fetched
+from pepsi.amqp.broker.delivery import LOAD_STEP, Deliverer, Fetched
+from pepsi.amqp.model.consumers import READ_AHEAD_MIN, ChannelBook, Consumer, Delivery
 
 STAGE = "amqp:/:q"
 

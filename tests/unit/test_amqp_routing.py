@@ -1,4 +1,4 @@
-"""Exchanges, bindings and routing (pepsi.amqp.routing): RabbitMQ 3.x semantics."""
+"""Exchanges, bindings and routing (pepsi.amqp.model.routing): RabbitMQ 3.x semantics."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pepsi.amqp.replies import ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED, ChannelError
-from pepsi.amqp.routing import (
+from pepsi.amqp.model.routing import (
     DIRECT,
     EXCHANGE,
     FANOUT,
@@ -35,6 +34,7 @@ from pepsi.amqp.routing import (
     topic_pattern,
     topic_words,
 )
+from pepsi.amqp.wire.replies import ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED, ChannelError
 
 V = "/"
 

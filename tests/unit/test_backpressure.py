@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from pepsi.dispatch.backpressure import Cap, active, limit_for, on_tempfail
+from pepsi.dispatch.policy.backpressure import Cap, active, limit_for, on_tempfail
 
 PARALLELISM = {"a": 4, "b": 8}
 

@@ -1,8 +1,8 @@
-"""pepsi.admin.claimed: which running rows `pepsi queue` shows as claimed (issue 33)."""
+"""pepsi.admin.watch.claimed: which running rows `pepsi queue` shows as claimed (issue 33)."""
 
 from __future__ import annotations
 
-from pepsi.admin.claimed import CLAIMED, has_worker_rows, label, split_counts
+from pepsi.admin.watch.claimed import CLAIMED, has_worker_rows, label, split_counts
 
 
 def test_running_rows_a_worker_has_not_started_are_claimed() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pepsi.cli import main, split_globals
-from pepsi.commands import dispatch_cmd
+from pepsi.commands.serve import dispatch_cmd
 from pepsi.db.queries import parse_named
 
 CONF = """
@@ -127,7 +127,7 @@ def test_undecodable_bytes_in_an_argument_are_one_line(
 def test_a_bug_keeps_its_traceback() -> None:
     """Only domain and database errors are turned into one line; a bug is not hidden."""
     code = (
-        "import pepsi.commands.config_cmd as c\n"
+        "import pepsi.commands.operate.config_cmd as c\n"
         "def broken(args, ctx): raise RuntimeError('a bug')\n"
         "c.run_check = broken\n"
         "from pepsi.cli import main\n"
@@ -141,7 +141,7 @@ def test_a_bug_keeps_its_traceback() -> None:
 
 def test_ctrl_c_is_130_and_quiet() -> None:
     code = (
-        "import pepsi.commands.config_cmd as c\n"
+        "import pepsi.commands.operate.config_cmd as c\n"
         "def interrupted(args, ctx): raise KeyboardInterrupt\n"
         "c.run_check = interrupted\n"
         "from pepsi.cli import main\n"
@@ -247,7 +247,8 @@ def test_a_worker_loads_only_its_own_command() -> None:
         f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "['pepsi.commands.worker_cmd']"
+    # its command module, and the (docstring-only) package it sits in
+    assert out.stdout.strip() == "['pepsi.commands.serve', 'pepsi.commands.serve.worker_cmd']"
 
 
 def test_help_lists_every_command_without_importing_them(

@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pepsi.config import DispatchOptions
-from pepsi.dispatch import decisions
-from pepsi.dispatch.decisions import (
+from pepsi.dispatch.policy import decisions
+from pepsi.dispatch.policy.decisions import (
     Exit,
     FailedStart,
     Isolate,

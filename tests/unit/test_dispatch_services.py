@@ -13,18 +13,18 @@ from datetime import UTC, datetime
 import pytest
 
 from pepsi.config import Config, DispatchOptions, StageConfig
-from pepsi.dispatch import reload
-from pepsi.dispatch.decisions import Exit
-from pepsi.dispatch.fairness import FairShare
-from pepsi.dispatch.flusher import StatsFlusher
 from pepsi.dispatch.ledger import Claimed, InFlight
-from pepsi.dispatch.pool import PoolOptions
+from pepsi.dispatch.policy.decisions import Exit
+from pepsi.dispatch.policy.fairness import FairShare
+from pepsi.dispatch.pools.pool import PoolOptions
+from pepsi.dispatch.pools.supervisor import PoolSupervisor
+from pepsi.dispatch.pools.workers import WorkerProcess
 from pepsi.dispatch.rows import RowWriter, strike_delays
+from pepsi.dispatch.services import reload
+from pepsi.dispatch.services.flusher import StatsFlusher
+from pepsi.dispatch.services.sweeper import Sweeper, SweepOptions
 from pepsi.dispatch.session import SessionOptions
 from pepsi.dispatch.stats import Stats
-from pepsi.dispatch.supervisor import PoolSupervisor
-from pepsi.dispatch.sweeper import Sweeper, SweepOptions
-from pepsi.dispatch.workers import WorkerProcess
 from pepsi.errors import EX_IOERR, EX_TEMPFAIL
 from pepsi.protocol import Pass, StatusLine
 

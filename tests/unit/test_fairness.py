@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pepsi.dispatch.fairness import DECAY_STEP, FairShare, StageLedger, rank
+from pepsi.dispatch.policy.fairness import DECAY_STEP, FairShare, StageLedger, rank
 
 
 def test_a_burst_alternates_with_a_lone_sender() -> None:

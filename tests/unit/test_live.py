@@ -1,5 +1,5 @@
-"""The live snapshot: its payload (pepsi.dispatch.live) and the rates read from it
-(pepsi.admin.live), no database: times are parameters."""
+"""The live snapshot: its payload (pepsi.dispatch.services.live) and the rates read from it
+(pepsi.admin.watch.live), no database: times are parameters."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from pepsi.admin.live import (
+from pepsi.admin.watch.live import (
     LIVE,
     NONE,
     STALE,
@@ -21,10 +21,10 @@ from pepsi.admin.live import (
     StageLive,
     parse,
 )
-from pepsi.admin.top import LIVE as LIVE_SOURCE
-from pepsi.admin.top import STATS, Frame, StageRow, with_live
-from pepsi.commands.top_cmd import header
-from pepsi.dispatch.live import (
+from pepsi.admin.watch.top import LIVE as LIVE_SOURCE
+from pepsi.admin.watch.top import STATS, Frame, StageRow, with_live
+from pepsi.commands.operate.top_cmd import header
+from pepsi.dispatch.services.live import (
     FIELDS,
     LIVE_HEARTBEAT,
     PAYLOAD_LIMIT,
@@ -32,7 +32,7 @@ from pepsi.dispatch.live import (
     heartbeat_bound,
     payloads,
 )
-from pepsi.dispatch.metrics import Gauges, Snapshot
+from pepsi.dispatch.services.metrics import Gauges, Snapshot
 from pepsi.dispatch.stats import Counts
 
 START = 1_000_000.0  # the dispatcher's start, its wall clock

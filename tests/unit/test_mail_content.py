@@ -1,4 +1,4 @@
-"""The DATA stream and the header block (pepsi.mail.content): pure, no socket."""
+"""The DATA stream and the header block (pepsi.mail.protocol.content): pure, no socket."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pepsi.mail import content
-from pepsi.mail.content import DataCollector
+from pepsi.mail.protocol import content
+from pepsi.mail.protocol.content import DataCollector
 
 
 def collect(
@@ -165,8 +165,8 @@ def test_received_names_the_client_the_server_and_a_lone_recipient() -> None:
 
 
 def test_a_received_message_as_its_row() -> None:
-    from pepsi.mail import message  # noqa: PLC0415
-    from pepsi.mail.envelope import MailParameters, RcptParameters  # noqa: PLC0415
+    from pepsi.mail.protocol import message  # noqa: PLC0415
+    from pepsi.mail.protocol.envelope import MailParameters, RcptParameters  # noqa: PLC0415
 
     arrival = message.Arrival(
         helo="client.test", peer="2001:db8::7", login="alice",

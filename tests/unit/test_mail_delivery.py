@@ -1,4 +1,4 @@
-"""Delivery outcomes and their reports (pepsi.mail.delivery, pepsi.mail.dsn): pure; and the
+"""Delivery outcomes and their reports (pepsi.mail.relay.delivery, pepsi.mail.protocol.dsn): pure; and the
 relay's per-destination slots (files and locks)."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from pepsi.mail import delivery, dsn
-from pepsi.mail.delivery import Context, Result
-from pepsi.mail.slots import Slots
+from pepsi.mail.protocol import dsn
+from pepsi.mail.relay import delivery
+from pepsi.mail.relay.delivery import Context, Result
+from pepsi.mail.relay.slots import Slots
 from pepsi.stage import Advance, Defer, Fail, Finish, NewMessage, Part
 
 NOW = datetime(2026, 12, 5, 12, 0, tzinfo=UTC)
@@ -168,7 +169,7 @@ def test_at_most_limit_connections_per_destination_across_processes(tmp_path: Pa
     assert slots.take("example.net") is not None  # another destination
     # another process (another worker) sees the same slots taken
     probe = (
-        "import sys; from pathlib import Path; from pepsi.mail.slots import Slots; "
+        "import sys; from pathlib import Path; from pepsi.mail.relay.slots import Slots; "
         f"print(Slots(2, Path({str(tmp_path)!r})).take('example.org'))"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pepsi.mail import envelope, policy, replies
-from pepsi.mail.envelope import MailParameters, ParameterError, RcptParameters
+from pepsi.mail.ingress import policy
+from pepsi.mail.protocol import envelope, replies
+from pepsi.mail.protocol.envelope import MailParameters, ParameterError, RcptParameters
 
 
 def mail(*words: str, max_size: int = 1000) -> MailParameters:

@@ -1,4 +1,4 @@
-"""The outbound client's pure parts (pepsi.mail.outbound): what DATA sends, and which
+"""The outbound client's pure parts (pepsi.mail.relay.outbound): what DATA sends, and which
 recipient each reply decides, whether the replies came pipelined or one by one."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pepsi.mail.delivery import Result
-from pepsi.mail.outbound import Outgoing, Peer, _data, _results
+from pepsi.mail.relay.delivery import Result
+from pepsi.mail.relay.outbound import Outgoing, Peer, _data, _results
 
 PEER = Peer("mx.example.org", "127.0.0.1", 25)
 MESSAGE = Outgoing(

@@ -1,4 +1,4 @@
-"""The SMTP session's own constructor against aiosmtpd's (pepsi.mail.session).
+"""The SMTP session's own constructor against aiosmtpd's (pepsi.mail.ingress.session).
 
 SmtpSession sets what SMTP.__init__ sets without its per-connection reflection;
 this test fails when an aiosmtpd release adds state the session would miss.
@@ -11,8 +11,8 @@ import asyncio
 from aiosmtpd.smtp import SMTP
 
 from pepsi.config.model import IngressOptions
-from pepsi.mail.connection import Ingress
-from pepsi.mail.session import LmtpSession, SmtpSession
+from pepsi.mail.ingress.connection import Ingress
+from pepsi.mail.ingress.session import LmtpSession, SmtpSession
 
 
 async def _attributes() -> tuple[set[str], SmtpSession, LmtpSession]:

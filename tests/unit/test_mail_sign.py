@@ -1,4 +1,4 @@
-"""DKIM signing (pepsi.mail.dkim) and SRS (pepsi.mail.srs): pure, no network."""
+"""DKIM signing (pepsi.mail.protocol.dkim) and SRS (pepsi.mail.protocol.srs): pure, no network."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
 
-from pepsi.mail import dkim as signing
-from pepsi.mail import srs
+from pepsi.mail.protocol import dkim as signing
+from pepsi.mail.protocol import srs
 
 MESSAGE = (
     b"From: Alice <alice@example.com>\r\nTo: bob@example.org\r\nSubject: hi there\r\n"

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from pepsi.admin.horizon import Holder
-from pepsi.dispatch.metrics import Gauges, Snapshot, families, horizon_families
+from pepsi.dispatch.services.metrics import Gauges, Snapshot, families, horizon_families
 from pepsi.dispatch.stats import Counts
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pepsi.dispatch.pools import (
+from pepsi.dispatch.policy.pools import (
     INITIAL_WINDOW,
     PREFETCH_SECONDS,
     Pace,

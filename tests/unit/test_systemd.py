@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pepsi.cli import main
-from pepsi.commands.systemd_cmd import (
+from pepsi.commands.serve.systemd_cmd import (
     DEFAULT_CONFIG,
     UNIT_NAME,
     quote_word,

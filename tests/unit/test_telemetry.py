@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import pepsi
 from pepsi import telemetry
-from pepsi.admin.telemetry import rewrite, write_switch
+from pepsi.admin.config.telemetry import rewrite, write_switch
 from pepsi.config import Config, load_config
 from pepsi.errors import ConfigError
 from pepsi.publishing.message import OutgoingMessage

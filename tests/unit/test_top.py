@@ -16,7 +16,7 @@ from pepsi.admin.horizon import (
     warn_after,
     warning,
 )
-from pepsi.admin.top import (
+from pepsi.admin.watch.top import (
     RECENT,
     DispatchCounters,
     Sample,
@@ -26,7 +26,7 @@ from pepsi.admin.top import (
     frame,
     rate,
 )
-from pepsi.commands.top_cmd import header
+from pepsi.commands.operate.top_cmd import header
 from pepsi.errors import ConfigError
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from pepsi.dispatch.vacuum import Vacuum
+from pepsi.dispatch.services.vacuum import Vacuum
 
 
 def test_a_run_is_due_every_after_passes() -> None:

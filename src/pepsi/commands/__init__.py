@@ -50,31 +50,35 @@ class Command:
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("setup", "setup_cmd", "install or upgrade the database schema"),
-    Command("config", "config_cmd", "check the configuration; reload, set, unset (live)"),
-    Command("db", "db_cmd", "manage the embedded database, show the one in use"),
-    Command("cluster", "cluster_cmd", "a three-node replicated PostgreSQL on this machine (dev)"),
-    Command("dispatch", "dispatch_cmd", "run the dispatcher"),
+    Command("setup", "install.setup_cmd", "install or upgrade the database schema"),
+    Command("config", "operate.config_cmd", "check the configuration; reload, set, unset (live)"),
+    Command("db", "install.db_cmd", "manage the embedded database, show the one in use"),
+    Command(
+        "cluster", "install.cluster_cmd", "a three-node replicated PostgreSQL on this machine (dev)"
+    ),
+    Command("dispatch", "serve.dispatch_cmd", "run the dispatcher"),
     Command(
         "ingress",
-        "ingress_cmd",
+        "serve.ingress_cmd",
         "publish messages (stdin, files or JSON lines); --serve: the SMTP/LMTP server",
         aliases=("publish",),
     ),
     Command(
         "failure-bouncer",
-        "bouncer_cmd",
+        "serve.bouncer_cmd",
         "move failed messages of stages without BOUNCE_STAGE to the dead-letter sink",
     ),
-    Command("queue", "queue_cmd", "inspect and repair the queue"),
-    Command("settings", "settings_cmd", "per-address overrides of stage options"),
-    Command("amqp", "amqp_cmd", "AMQP users, vhosts and permissions"),
-    Command("mail", "mail_cmd", "users who may log in to the SMTP/LMTP ingress"),
-    Command("top", "top_cmd", "live view: backlog, workers and rates per stage"),
-    Command("web", "web_cmd", "the web console: see the pipeline and repair it in a browser"),
-    Command("systemd", "systemd_cmd", "print the dispatcher's or the ingress's systemd unit"),
-    Command("telemetry", "telemetry_cmd", "turn feature telemetry on or off; show its status"),
-    Command("worker", "worker_cmd", "run one stage's worker (started by the dispatcher)"),
+    Command("queue", "operate.queue_cmd", "inspect and repair the queue"),
+    Command("settings", "operate.settings_cmd", "per-address overrides of stage options"),
+    Command("amqp", "accounts.amqp_cmd", "AMQP users, vhosts and permissions"),
+    Command("mail", "accounts.mail_cmd", "users who may log in to the SMTP/LMTP ingress"),
+    Command("top", "operate.top_cmd", "live view: backlog, workers and rates per stage"),
+    Command("web", "serve.web_cmd", "the web console: see the pipeline and repair it in a browser"),
+    Command("systemd", "serve.systemd_cmd", "print the dispatcher's or the ingress's systemd unit"),
+    Command(
+        "telemetry", "operate.telemetry_cmd", "turn feature telemetry on or off; show its status"
+    ),
+    Command("worker", "serve.worker_cmd", "run one stage's worker (started by the dispatcher)"),
 )
 
 

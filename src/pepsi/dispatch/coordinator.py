@@ -25,24 +25,25 @@ from typing import Any
 import psycopg
 
 from pepsi.admin.horizon import Probe
-from pepsi.amqp import server as amqp_server
-from pepsi.amqp.broker import Broker as AmqpBroker
+from pepsi.amqp.broker.broker import Broker as AmqpBroker
+from pepsi.amqp.session import server as amqp_server
 from pepsi.config import Config, Overflow
 from pepsi.config.values import host_port, is_loopback
-from pepsi.dispatch import decisions, fairness, reload
-from pepsi.dispatch.claimer import Claimer
-from pepsi.dispatch.flusher import StatsFlusher
 from pepsi.dispatch.ledger import InFlight
-from pepsi.dispatch.listener import Listener
-from pepsi.dispatch.live import LivePublisher
-from pepsi.dispatch.metrics import Gauges, MetricsServer, Snapshot
-from pepsi.dispatch.pool import PoolOptions
+from pepsi.dispatch.policy import decisions, fairness
+from pepsi.dispatch.pools.pool import PoolOptions
+from pepsi.dispatch.pools.supervisor import PoolSupervisor
 from pepsi.dispatch.rows import RowWriter
+from pepsi.dispatch.services import reload
+from pepsi.dispatch.services.claimer import Claimer
+from pepsi.dispatch.services.flusher import StatsFlusher
+from pepsi.dispatch.services.listener import Listener
+from pepsi.dispatch.services.live import LivePublisher
+from pepsi.dispatch.services.metrics import Gauges, MetricsServer, Snapshot
+from pepsi.dispatch.services.sweeper import Sweeper, SweepOptions
+from pepsi.dispatch.services.vacuum import Vacuum
 from pepsi.dispatch.session import Session, SessionOptions, StopRequested
 from pepsi.dispatch.stats import Stats
-from pepsi.dispatch.supervisor import PoolSupervisor
-from pepsi.dispatch.sweeper import Sweeper, SweepOptions
-from pepsi.dispatch.vacuum import Vacuum
 from pepsi.durations import format_seconds
 from pepsi.errors import (
     EX_CONFIG,

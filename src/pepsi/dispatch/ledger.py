@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from pepsi.dispatch.fairness import FairShare
+from pepsi.dispatch.policy.fairness import FairShare
 from pepsi.dispatch.rows import RowWriter
 from pepsi.dispatch.stats import Stats
 from pepsi.errors import EX_IOERR, EX_TEMPFAIL

@@ -23,7 +23,7 @@ GROUP BY stage, status
 ORDER BY stage, status;
 
 -- name: workqueue_vacuum
--- The dispatcher's vacuum at the pace of the traffic (dispatch/vacuum.py); a
+-- The dispatcher's vacuum at the pace of the traffic (dispatch/services/vacuum.py); a
 -- table autovacuum is already processing is skipped, not waited for.
 VACUUM (SKIP_LOCKED) pepsi.workqueue, pepsi.workqueue_body;
 
@@ -575,7 +575,7 @@ GROUP BY 1 ORDER BY 1;
 -- P-11: sent after [pepsi] SHARE_TELEMETRY is rewritten; the dispatcher replaces its workers.
 NOTIFY telemetry_changed;
 
--- AMQP users, vhosts and permissions (issue 16; pepsi.admin.amqp_users, the listener).
+-- AMQP users, vhosts and permissions (issue 16; pepsi.admin.accounts.amqp_users, the listener).
 
 -- name: amqp_vhost_insert
 INSERT INTO pepsi.amqp_vhost (name) VALUES (%(name)s)
@@ -665,7 +665,7 @@ ORDER BY vhost, username;
 SELECT pg_notify('amqp_changed', %(payload)s);
 
 -- name: amqp_exchange_list
--- The broker's view of one vhost (pepsi.amqp.catalogue), read again after each change.
+-- The broker's view of one vhost (pepsi.amqp.broker.catalogue), read again after each change.
 SELECT name, type, durable, auto_delete, internal, arguments
 FROM pepsi.amqp_exchange WHERE vhost = %(vhost)s;
 
@@ -895,7 +895,7 @@ FOR UPDATE OF w;
 SELECT vhost, name FROM pepsi.amqp_queue WHERE NOT durable OR exclusive ORDER BY vhost, name;
 
 -- name: amqp_expiry_queues
--- The AMQP expiry service's pass (pepsi.amqp.expiry): every vhost's queues, and how long
+-- The AMQP expiry service's pass (pepsi.amqp.broker.expiry): every vhost's queues, and how long
 -- ago (ms, the database's clock) each was declared, for x-expires.
 SELECT vhost, name, stage, durable, exclusive, auto_delete, arguments,
        (extract(epoch FROM now() - declared_at) * 1000)::bigint
@@ -936,7 +936,7 @@ WHERE w.workqueue_id = due.workqueue_id AND w.status = 'failed'
 RETURNING w.workqueue_id, w.stage;
 
 -- name: amqp_bytes_over
--- x-max-length-bytes (pepsi.amqp.expiry): the newest max_scan pending rows of one stage
+-- x-max-length-bytes (pepsi.amqp.broker.expiry): the newest max_scan pending rows of one stage
 -- (an AMQP queue), newest first (workqueue_pending_idx, backwards), with a running sum of
 -- their body octets; the newest row past max_bytes is the cut, and with drop the pending
 -- rows up to it (oldest first, at most max_rows; a row the dispatcher's claim holds is
@@ -972,12 +972,12 @@ SELECT (SELECT count(*) FROM newest), (SELECT coalesce(max(total), 0) FROM summe
        ARRAY(SELECT workqueue_id FROM claimed ORDER BY workqueue_id);
 
 -- name: live_notify
--- The dispatcher's live snapshot (pepsi.dispatch.live): its parts, one notification each,
+-- The dispatcher's live snapshot (pepsi.dispatch.services.live): its parts, one notification each,
 -- sent by one statement so that they arrive together. No table is written.
 SELECT pg_notify('pepsi_live', part) FROM unnest(%(payloads)s::text[]) AS part;
 
 -- name: live_listen
--- Readers of the live snapshot (pepsi.admin.live: pepsi top, the web console).
+-- Readers of the live snapshot (pepsi.admin.watch.live: pepsi top, the web console).
 LISTEN pepsi_live;
 
 -- name: workqueue_page_pending

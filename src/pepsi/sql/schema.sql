@@ -1085,7 +1085,7 @@ CREATE TABLE pepsi.amqp_vhost (
 );
 
 -- Users who may log in over AMQP (PLAIN, AMQPLAIN). password_hash is a
--- self-describing scrypt string (pepsi.amqp.passwords), never the password.
+-- self-describing scrypt string (pepsi.amqp.auth.passwords), never the password.
 CREATE TABLE pepsi.amqp_user (
     name          text PRIMARY KEY CHECK (name <> '' AND octet_length(name) <= 255),
     password_hash text NOT NULL,

@@ -16,7 +16,7 @@ mailing-list copy) takes the path above.
 
 from __future__ import annotations
 
-from pepsi.mail import delivery
+from pepsi.mail.relay import delivery
 from pepsi.stage import Advance, Finish, Message, Part, PermanentError, Split, stage
 from pepsi.stages.mail_options import machine_name
 from pepsi.stages.options import BounceOptions

@@ -3,13 +3,13 @@
 DOMAIN, SELECTOR, KEY_FILE (an RSA key in PEM, read when the worker starts)
 and HEADERS (the fields to sign; From always). The signature covers the
 header block and the body as they are stored, relaxed/relaxed; the stage
-goes on to NEXT with the new header block (`pepsi.mail.dkim`).
+goes on to NEXT with the new header block (`pepsi.mail.protocol.dkim`).
 """
 
 from __future__ import annotations
 
 from pepsi.config import StageConfig
-from pepsi.mail import dkim
+from pepsi.mail.protocol import dkim
 from pepsi.stage import Advance, Message, Needs, stage
 from pepsi.stages.mail_options import DkimOptions, read_secret
 

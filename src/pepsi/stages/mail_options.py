@@ -85,7 +85,7 @@ class RelayOptions:
         )
 
     def check_at_start(self) -> None:
-        from pepsi.mail.slots import Slots  # noqa: PLC0415  # a relay's, for its workers
+        from pepsi.mail.relay.slots import Slots  # noqa: PLC0415  # a relay's, for its workers
 
         self.secret()
         try:
@@ -121,7 +121,7 @@ class DkimOptions:
         return f"dkim-sign d={self.domain} s={self.selector}"
 
     def check_at_start(self) -> None:
-        from pepsi.mail.dkim import load_key  # noqa: PLC0415  # cryptography, for its workers
+        from pepsi.mail.protocol.dkim import load_key  # noqa: PLC0415  # cryptography, for its workers
 
         pem = read_secret("KEY_FILE", self.key_file)
         try:

@@ -4,8 +4,8 @@ One attempt per run: to the smarthost, or to each recipient domain's MX
 hosts in preference order (A/AAAA when there is no MX). The replies decide,
 per recipient, what becomes of the message and which delivery status
 notifications go to its sender, all written with the outcome
-(`pepsi.mail.delivery`). The worker keeps its SMTP connections for the next
-message to the same host (`pepsi.mail.outbound.Client`, one per stage).
+(`pepsi.mail.relay.delivery`). The worker keeps its SMTP connections for the next
+message to the same host (`pepsi.mail.relay.outbound.Client`, one per stage).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from dns.resolver import Resolver
 
 from pepsi.config import StageConfig
-from pepsi.mail import delivery, mx
-from pepsi.mail.delivery import Result
-from pepsi.mail.outbound import Client, Outgoing, Peer
-from pepsi.mail.policy import domain_of
-from pepsi.mail.slots import Slots
+from pepsi.mail.ingress.policy import domain_of
+from pepsi.mail.relay import delivery, mx
+from pepsi.mail.relay.delivery import Result
+from pepsi.mail.relay.outbound import Client, Outgoing, Peer
+from pepsi.mail.relay.slots import Slots
 from pepsi.stage import Message, Needs, PermanentError, Split, stage
 from pepsi.stages.mail_options import RelayOptions
 

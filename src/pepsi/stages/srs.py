@@ -5,14 +5,14 @@ DOMAIN (SRS0, or SRS1 for one rewritten by a forwarder before), so that the
 next hop's SPF check passes and bounces come back here. A recipient that is
 one of DOMAIN's SRS addresses (a bounce coming back) is turned back into
 the address it stands for, if its hash is valid and it is younger than
-MAX_AGE (`pepsi.mail.srs`). The null sender and senders of DOMAIN stay.
+MAX_AGE (`pepsi.mail.protocol.srs`). The null sender and senders of DOMAIN stay.
 """
 
 from __future__ import annotations
 
 import time
 
-from pepsi.mail import srs
+from pepsi.mail.protocol import srs
 from pepsi.stage import Advance, Message, stage
 from pepsi.stages.mail_options import SrsOptions
 

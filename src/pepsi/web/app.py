@@ -23,7 +23,7 @@ import jinja2
 from aiohttp import web
 from psycopg_pool import ConnectionPool
 
-from pepsi.amqp.passwords import verify
+from pepsi.amqp.auth.passwords import verify
 from pepsi.config import Config
 from pepsi.web import security, tokens
 

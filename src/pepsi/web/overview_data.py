@@ -4,7 +4,7 @@ One `OverviewState` per console app (`OVERVIEW`), with two tasks started and
 stopped with the app (`lifecycle`):
 
 - the live listener: an autocommit async connection of its own LISTENs on
-  `pepsi_live` (`pepsi.admin.live.AsyncLiveListener`) and feeds the state's
+  `pepsi_live` (`pepsi.admin.watch.live.AsyncLiveListener`) and feeds the state's
   `LiveRates`; it reconnects after a failure, every RECONNECT_AFTER seconds;
 - (no second task for the chart: the dispatcher's statistics flushes keep
   the last day's per-minute counts in `pepsi.stage_stats_minute`, which the
@@ -35,10 +35,11 @@ from typing import Any
 import psycopg
 from aiohttp import web
 
-from pepsi.admin import serving, top
-from pepsi.admin.activity import Counted, count_queue, read_sample
+from pepsi.admin import serving
 from pepsi.admin.horizon import HORIZON_WARN_AFTER, warn_after, warning
-from pepsi.admin.live import AsyncLiveListener, LiveRates, LiveView
+from pepsi.admin.watch import top
+from pepsi.admin.watch.activity import Counted, count_queue, read_sample
+from pepsi.admin.watch.live import AsyncLiveListener, LiveRates, LiveView
 from pepsi.config import Config
 from pepsi.config.values import is_amqp_stage
 from pepsi.db.connect import connect_async
@@ -123,7 +124,7 @@ class Rates:
 
 def current_rates(stats: top.Frame, live: LiveView) -> Rates:
     """The freshest rates: the live snapshots while the dispatcher is heard from, else
-    those of the statistics flushes (`pepsi.admin.top.frame`)."""
+    those of the statistics flushes (`pepsi.admin.watch.top.frame`)."""
     chosen = top.with_live(stats, live)
     source = LIVE if chosen.rates_source == top.LIVE else STATS
     known = any(v is not None for row in chosen.stages for v in row.rates.values())

@@ -1,0 +1,2 @@
+"""Accounts: AMQP users, vhosts and permissions; the ingress's AUTH users.
+"""

@@ -1,0 +1,3 @@
+"""Changing the configuration live: per-address settings, the database overlay, the
+telemetry switch.
+"""

@@ -1,0 +1,466 @@
+"""The publish batcher: AMQP publishes become rows, many publishes per commit (A-2).
+
+Every `basic.publish` of every channel of every connection is handed to one
+`Batcher` as a `Unit` (one publish, or a channel's whole transaction at
+tx.commit). One task with its own database connection (application name
+`pepsi-amqp-publish`) takes everything submitted since its last commit and
+writes it in **one transaction** (synchronous commit), then reports each
+unit's outcome and calls `on_committed`: the dispatcher, in the same process,
+wakes to claim the new rows (no NOTIFY goes through PostgreSQL for them).
+Publishes that arrive while a commit runs form the next one: grouping grows
+with load and costs nothing when idle. Without a length
+limit in the batch, the transaction is one statement of `pepsi.amqp_publish`
+(only the columns a publish fills; one round trip; a column that repeats
+one value goes packed, see `pepsi.amqp.broker.arrays`); with one, it is
+`pepsi.workqueue_publish`, the function `Publisher` uses, which enforces them.
+
+Queue limits are the publish function's (R-3): the stages of drop-head queues
+go with the batch's limit arrays; each reject-publish stage is written under
+a savepoint of its own, and if the function refuses it (SQLSTATE PP001),
+again one row at a time, so only the publishes that do not fit are refused
+(`basic.nack`), as RabbitMQ does, and the rest of the batch commits.
+
+If the transaction fails (connection lost, commit refused), every unit of it
+fails: the broker nacks confirm publishes and closes non-confirm channels'
+connections. The connection is then opened again, by `pepsi.db.backoff`.
+`group_confirms` (pure) turns settled delivery tags into as few
+`basic.ack`/`basic.nack` as `multiple=True` allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import psycopg
+
+from pepsi.amqp.broker import arrays
+from pepsi.db.backoff import Backoff
+from pepsi.db.connect import connect_async
+from pepsi.db.queries import query_text
+from pepsi.errors import PepsiError, one_line
+from pepsi.publishing.batch import SQL as PUBLISH_SQL
+from pepsi.publishing.message import Row
+
+log = logging.getLogger("pepsi.amqp")
+
+APPLICATION_NAME: Final = "pepsi-amqp-publish"
+REJECTED: Final = "PP001"  # pepsi.workqueue_publish: a reject-publish stage is full
+MAX_BATCH_ROWS: Final = 2000  # rows per transaction at most
+MAX_BATCH_BYTES: Final = 32 * 1024 * 1024
+HIGH_WATER_ROWS: Final = 20_000  # waiting rows over this: publishers wait (TCP back-pressure)
+HIGH_WATER_BYTES: Final = 2 * MAX_BATCH_BYTES  # ... or bytes over this (large bodies)
+DEDUP_WINDOW: Final = 86400.0  # the function's argument; AMQP publishes never deduplicate
+LEAN_SQL: Final = query_text("amqp_publish")
+# The Row fields pepsi.amqp_publish takes, in its arguments' order, and those it does not
+# (a basic.publish never sets them; dedup is False).
+_LEAN_FIELDS: Final = tuple(Row._fields.index(name) for name in (
+    "stage", "message_id", "origin_user", "origin_peer", "content_type", "correlation_id",
+    "properties", "expires", "header", "body", "priority",
+))  # fmt: skip
+_LEAN_BODIES: Final = len(_LEAN_FIELDS) - 2  # the bodies: never packed (see arrays)
+_PRIORITY: Final = Row._fields.index("priority")
+_DEDUP: Final = Row._fields.index("dedup")
+_ENVELOPE_FIELDS: Final = tuple(
+    Row._fields.index(name) for name in ("sender", "recipients", "header_from", "subject")
+)
+
+Limit = tuple[int, bool]  # (MAX_LENGTH, drop-head?)
+
+
+# --- pure: grouping confirms -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Confirm:
+    """One basic.ack (ok) or basic.nack to send."""
+
+    ok: bool
+    tag: int
+    multiple: bool
+
+
+def group_confirms(
+    settled_through: int, outcomes: Sequence[tuple[int, bool]]
+) -> tuple[list[Confirm], int]:
+    """The acks and nacks for newly settled tags, and the new `settled_through`.
+
+    `settled_through`: every tag up to it is settled already. `outcomes`:
+    (tag, ok) of tags settled now, above it, each once. A run of consecutive tags
+    with one outcome that starts right after everything settled is one confirm
+    with `multiple=True` (which settles every unsettled tag up to its own, so it
+    may only be used when nothing before the run is still open); any other tag
+    is confirmed alone.
+    """
+    ordered = sorted(outcomes)
+    plan: list[Confirm] = []
+    floor = settled_through
+    i = 0
+    while i < len(ordered):
+        first, ok = ordered[i]
+        j = i
+        while (
+            j + 1 < len(ordered)
+            and ordered[j + 1][0] == ordered[j][0] + 1
+            and ordered[j + 1][1] == ok
+        ):
+            j += 1
+        last = ordered[j][0]
+        if first == floor + 1:
+            plan.append(Confirm(ok, last, multiple=j > i))
+            floor = last
+        else:
+            plan.extend(Confirm(ok, tag, multiple=False) for tag, _ in ordered[i : j + 1])
+        i = j + 1
+    return plan, floor
+
+
+# --- units ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Item:
+    """One publish: a row per destination queue (none: unroutable, settled in order)."""
+
+    rows: list[Row]
+    limits: dict[str, Limit] = field(default_factory=dict)  # stage -> its limit
+    refused: bool = False  # a reject-publish queue had no room
+    rejected: bool = False  # ... by the broker's x-max-length-bytes estimate, at publish
+
+    @property
+    def size(self) -> int:
+        total = 0
+        for r in self.rows:
+            total += len(r.body or b"") + len(r.header or b"")
+        return total
+
+
+class Unit:
+    """Items committed together or not at all; `done` gets the outcome once.
+
+    `done(items, None)` after the commit (each item's `refused` says whether a
+    reject-publish queue refused it); `done(items, error)` if it did not commit.
+    `rows` and `size` are counted once here: a unit's items do not change after.
+    A plain class with slots, not a dataclass: one is made per publish.
+    """
+
+    __slots__ = ("done", "items", "rows", "size")
+
+    def __init__(
+        self, items: list[Item], done: Callable[[list[Item], BaseException | None], None]
+    ) -> None:
+        self.items = items
+        self.done = done
+        rows = size = 0
+        for item in items:
+            for row in item.rows:
+                rows += 1
+                size += len(row.body or b"") + len(row.header or b"")
+        self.rows, self.size = rows, size
+
+
+def _call_params(rows: Sequence[Row], limits: dict[str, Limit]) -> tuple[Any, ...]:
+    columns = [list(column) for column in zip(*rows, strict=True)]
+    priorities = columns.pop()  # the function's last argument; NULL: all 0
+    stages = sorted(limits)
+    return (
+        *columns,
+        stages,
+        [limits[s][0] for s in stages],
+        [limits[s][1] for s in stages],
+        [None] * len(stages),  # BOUNCE_STAGE: no dead-letter route for AMQP queues yet
+        DEDUP_WINDOW,
+        priorities if any(priorities) else None,
+    )
+
+
+def lean_params(rows: Sequence[Row]) -> tuple[Any, ...] | None:
+    """The arguments of `pepsi.amqp_publish` for `rows`, or None when a row carries a
+    field only `pepsi.workqueue_publish` takes (dedup or an envelope field)."""
+    columns = list(zip(*rows, strict=True))
+    if any(columns[_DEDUP]):
+        return None
+    n = len(rows)
+    for index in _ENVELOPE_FIELDS:
+        if columns[index].count(None) != n:
+            return None
+    lean = [list(columns[i]) for i in _LEAN_FIELDS]
+    if not any(columns[_PRIORITY]):
+        lean[-1] = None  # type: ignore[call-overload]  # NULL: all 0, nothing to send
+    return tuple(lean)
+
+
+def split(
+    items: Sequence[Item],
+) -> tuple[list[Row], dict[str, Limit], dict[str, list[tuple[Item, Row]]]]:
+    """Rows for one call (unlimited and drop-head stages, with those limits), and the rows
+    of each reject-publish stage with their items, in order. Resets `refused` (to
+    `rejected`: refused at publish already)."""
+    free: list[Row] = []
+    free_limits: dict[str, Limit] = {}
+    guarded: dict[str, list[tuple[Item, Row]]] = {}
+    for item in items:
+        item.refused = item.rejected
+        for row in item.rows:
+            limit = item.limits.get(row.stage)
+            if limit is not None and not limit[1]:
+                guarded.setdefault(row.stage, []).append((item, row))
+            else:
+                free.append(row)
+                if limit is not None:
+                    free_limits[row.stage] = limit
+    return free, free_limits, guarded
+
+
+# --- the batcher -------------------------------------------------------------------------
+
+
+class Batcher:
+    """One task, one connection: every publish of the listener, grouped per commit."""
+
+    def __init__(self, dsn: str, connect_timeout: float, backoff: Backoff | None = None) -> None:
+        self.dsn = dsn
+        self.connect_timeout = connect_timeout
+        self.backoff = backoff or Backoff()
+        self.commits = 0  # transactions committed (tests, the benchmark)
+        self._queue: list[Unit] = []
+        self._queued_rows = 0
+        self._queued_bytes = 0
+        self._wake = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._conn: psycopg.AsyncConnection[tuple[Any, ...]] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._delays = self.backoff.delays()
+        self._retry_at = 0.0
+        # connection.blocked for every client while publishes cannot be written (the
+        # database is unreachable) or wait above the high-water mark; None: unblocked
+        self.on_blocked: Callable[[str | None], None] = lambda _: None
+        # after a commit: the dispatcher's loop (in this process) has new rows to claim
+        self.on_committed: Callable[[], None] = lambda: None
+        self._down = False
+        self._blocked: str | None = None
+        self._submitted = 0  # units submitted ...
+        self._reported = 0  # ... and reported, in the same (FIFO) order
+        self._barriers: list[tuple[int, asyncio.Future[None]]] = []
+
+    def _tell_blocked(self) -> None:
+        reason = (
+            "the database is unavailable"
+            if self._down
+            else "publishes are waiting for the database"
+            if not self._room.is_set()
+            else None
+        )
+        if reason != self._blocked:
+            self._blocked = reason
+            try:
+                self.on_blocked(reason)
+            except Exception:
+                log.exception("amqp: telling clients about back-pressure failed")
+
+    async def flush(self) -> None:
+        """Return once every unit submitted so far is committed or refused (a channel's
+        methods are ordered: a get after a publish must see the message)."""
+        if self._reported >= self._submitted:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._barriers.append((self._submitted, waiter))
+        await waiter
+
+    def submit(self, unit: Unit) -> None:
+        if self._closing:
+            unit.done(unit.items, RuntimeError("the listener is stopping"))
+            return
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="amqp publish batcher"
+            )
+        self._queue.append(unit)
+        self._submitted += 1
+        self._queued_rows += unit.rows
+        self._queued_bytes += unit.size
+        if self._room.is_set() and (
+            self._queued_rows > HIGH_WATER_ROWS or self._queued_bytes > HIGH_WATER_BYTES
+        ):
+            self._room.clear()
+            self._tell_blocked()
+        self._wake.set()
+
+    @property
+    def has_room(self) -> bool:
+        """False while publishers must wait in `room()` (lets them skip the await)."""
+        return self._room.is_set()
+
+    async def room(self) -> None:
+        """Return when the queue is under its high-water mark (a publisher waits here)."""
+        await self._room.wait()
+
+    async def close(self) -> None:
+        """Commit what is queued, then stop."""
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._drop()
+
+    async def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                await conn.close()
+
+    def _take(self) -> list[Unit]:
+        queue = self._queue
+        rows = size = count = 0
+        for unit in queue:
+            if count and (rows + unit.rows > MAX_BATCH_ROWS or size + unit.size > MAX_BATCH_BYTES):
+                break
+            count += 1
+            rows += unit.rows
+            size += unit.size
+        # one slice, not pop(0) per unit (quadratic in a long queue)
+        taken = queue[:count]
+        del queue[:count]
+        self._queued_rows -= rows
+        self._queued_bytes -= size
+        if (
+            not self._room.is_set()
+            and self._queued_rows <= HIGH_WATER_ROWS
+            and self._queued_bytes <= HIGH_WATER_BYTES
+        ):
+            self._room.set()
+            self._tell_blocked()
+        return taken
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._queue:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            wait = self._retry_at - loop.time()
+            if wait > 0 and not self._closing:
+                await asyncio.sleep(wait)
+            await self._write(self._take())
+
+    async def _write(self, units: list[Unit]) -> None:
+        """Commit `units` together and report; if the database refused the batch itself
+        (not a lost connection), each unit again alone, so that one publish the
+        database cannot take does not cost the others their confirm."""
+        try:
+            await self._commit(units)
+        except psycopg.Error as error:
+            if len(units) > 1 and not isinstance(error, psycopg.OperationalError):
+                log.warning("amqp: a publish batch was refused (%s); retrying it unit by unit",
+                            one_line(error))  # fmt: skip
+                for unit in units:
+                    await self._write([unit])
+                return
+            await self._failed(units, error)
+        except (PepsiError, OSError) as error:
+            await self._failed(units, error)
+        except Exception as error:  # a bug: the publishers are told, the task goes on
+            log.exception("amqp: the publish batch failed")
+            await self._drop()
+            for unit in units:
+                self._report(unit, error)
+        else:
+            self._delays = self.backoff.delays()
+            if self._down:
+                self._down = False
+                self._tell_blocked()
+            self.commits += 1
+            for unit in units:
+                self._report(unit, None)
+            try:
+                self.on_committed()
+            except Exception:
+                log.exception("amqp: waking the dispatcher after a publish failed")
+
+    async def _failed(self, units: list[Unit], error: BaseException) -> None:
+        log.error(
+            "amqp: %d publishes not committed: %s", sum(len(u.items) for u in units),
+            one_line(error),
+        )  # fmt: skip
+        if isinstance(error, psycopg.OperationalError | PepsiError | OSError):
+            # the connection is gone or going: reconnect, with the backoff's pace
+            await self._drop()
+            if not self._down:
+                self._down = True
+                self._tell_blocked()
+            self._retry_at = asyncio.get_running_loop().time() + next(self._delays)
+        for unit in units:
+            self._report(unit, error)
+
+    def _report(self, unit: Unit, error: BaseException | None) -> None:
+        try:
+            unit.done(unit.items, error)
+        except Exception:
+            log.exception("amqp: settling a publish failed")
+        self._reported += 1
+        if self._barriers and self._barriers[0][0] <= self._reported:
+            keep = []
+            for upto, waiter in self._barriers:
+                if upto > self._reported:
+                    keep.append((upto, waiter))
+                elif not waiter.done():
+                    waiter.set_result(None)
+            self._barriers = keep
+
+    async def _commit(self, units: list[Unit]) -> None:
+        items = [item for unit in units for item in unit.items]
+        if not any(item.rows for item in items):
+            return  # only unroutable publishes: nothing to write, settled in their order
+        if self._conn is None or self._conn.closed:
+            self._conn = await connect_async(
+                self.dsn, application_name=APPLICATION_NAME, timeout=self.connect_timeout
+            )
+            arrays.register(self._conn)
+        conn = self._conn
+        free, free_limits, guarded = split(items)
+        if not guarded:
+            # One statement is its own transaction (the connection is in autocommit): one
+            # round trip per batch instead of BEGIN, the call and COMMIT.
+            lean = None if free_limits else lean_params(free)
+            if lean is not None:
+                await conn.execute(LEAN_SQL, arrays.pack_columns(lean, keep=_LEAN_BODIES))
+            else:
+                await conn.execute(PUBLISH_SQL, _call_params(free, free_limits))
+            return
+        async with conn.transaction():
+            if free:
+                await conn.execute(PUBLISH_SQL, _call_params(free, free_limits))
+            for stage, pairs in guarded.items():
+                limit = {stage: pairs[0][0].limits[stage]}
+                if await self._try(conn, [row for _, row in pairs], limit):
+                    continue
+                for item, row in pairs:  # the stage is full: as much as fits, in order
+                    if not await self._try(conn, [row], limit):
+                        item.refused = True
+
+    @staticmethod
+    async def _try(
+        conn: psycopg.AsyncConnection[tuple[Any, ...]], rows: list[Row], limit: dict[str, Limit]
+    ) -> bool:
+        """Write `rows` under a savepoint; False if the stage's limit refused them."""
+        try:
+            async with conn.transaction():
+                await conn.execute(PUBLISH_SQL, _call_params(rows, limit))
+        except psycopg.Error as error:
+            if error.sqlstate == REJECTED:
+                return False
+            raise
+        return True
+
+
+__all__ = ["Batcher", "Confirm", "Item", "Unit", "group_confirms"]

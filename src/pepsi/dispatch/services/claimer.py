@@ -1,0 +1,68 @@
+"""The claimer: one claim statement for every stage with room (P-4, P-5).
+
+Given each stage's free capacity, it runs ONE statement that marks up to that
+many pending rows running and returns them, oldest first (FIFO) or fairly
+between senders (`pepsi.workqueue_claim_fair`, with the lags of the fair-share
+ledger). It is the only writer of pending → running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from pepsi.db.queries import query
+from pepsi.dispatch.ledger import Claimed
+from pepsi.dispatch.policy.fairness import FairShare
+
+AConn = psycopg.AsyncConnection[tuple[Any, ...]]
+
+MAX_SENDERS = 64  # pending senders a fair claim looks at per stage, from its window's start
+
+
+class Claimer:
+    def __init__(self, fair: FairShare | None) -> None:
+        self.fair = fair
+        self.statements = 0  # claim statements run
+
+    async def run_once(self, conn: AConn, capacities: Mapping[str, int]) -> list[Claimed]:
+        """Claim up to `capacities[stage]` rows per stage; the rows in the order to serve
+        them: highest priority first, then oldest (the fair claim returns them so)."""
+        capacities = {stage: cap for stage, cap in capacities.items() if cap > 0}
+        if not capacities:
+            return []
+        self.statements += 1
+        if self.fair is None:
+            cur = await conn.execute(
+                query("workqueue_claim_fifo"),
+                {"stages": list(capacities), "caps": list(capacities.values())},
+            )
+            found = await cur.fetchall()
+            if any(priority for _, _, priority in found):  # highest first, then oldest
+                found.sort(key=lambda row: (-row[2], row[0]))
+            else:
+                found.sort()  # by id: the oldest first (a sort in SQL cost 5 % of a drain)
+            return [Claimed(int(wid), str(stage)) for wid, stage, _ in found]
+        return await self._fair(conn, self.fair, capacities)
+
+    async def _fair(
+        self, conn: AConn, fair: FairShare, capacities: Mapping[str, int]
+    ) -> list[Claimed]:
+        params = fair.claim_params(capacities)
+        row = await (
+            await conn.execute(
+                query("workqueue_claim_fair"),
+                {**params, "lags": Jsonb(params["lags"]), "max_senders": MAX_SENDERS},
+            )
+        ).fetchone()
+        assert row is not None
+        ids, stages, senders, starts = row
+        for stage, start in zip(params["stages"], starts, strict=True):
+            fair.window[str(stage)] = str(start)  # where the next claim's senders start
+        return [
+            Claimed(int(wid), str(stage), str(sender))
+            for wid, stage, sender in zip(ids, stages, senders, strict=True)
+        ]
