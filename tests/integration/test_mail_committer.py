@@ -18,7 +18,7 @@ from pepsi.errors import DatabaseUnavailable
 from pepsi.mail.ingress.committer import Committer, reply_for
 from pepsi.mail.protocol import replies
 from pepsi.publishing import OutgoingMessage
-from pepsi.publishing.client import AsyncPublisher
+from pepsi.publishing.async_client import AsyncPublisher
 from pepsi.publishing.errors import InvalidMessage, NotConfirmed, Rejected
 
 CONF = "[stage-inbox]\nHANDLER = tests.stages:noop\n"

@@ -8,12 +8,14 @@
 
 Sync and async share everything but the executor: `batch.py` turns messages
 into one call of the SQL function `pepsi.workqueue_publish` (insert, dedup,
-length limits, one NOTIFY) and reads its answer; `client.py` runs it;
-`pipeline.py` streams batches with a bound on unconfirmed messages.
+length limits, one NOTIFY) and reads its answer; `sync_client.py` and
+`async_client.py` run it, on what `client_core.py` gives both; `pipeline.py`
+streams batches with a bound on unconfirmed messages.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from pepsi.publishing.errors import (
@@ -28,18 +30,23 @@ from pepsi.publishing.message import OutgoingMessage
 from pepsi.publishing.retry import Retry
 
 if TYPE_CHECKING:
-    from pepsi.publishing.client import AsyncPublisher, Publisher
+    from pepsi.publishing.async_client import AsyncPublisher
     from pepsi.publishing.pipeline import Pipeline, SyncPipeline
+    from pepsi.publishing.sync_client import Publisher
 
-_CLIENT = frozenset({"AsyncPublisher", "Pipeline", "Publisher", "SyncPipeline"})
+# each lazy name and the module it lives in
+_CLIENT = {
+    "AsyncPublisher": "pepsi.publishing.async_client",
+    "Pipeline": "pepsi.publishing.pipeline",
+    "Publisher": "pepsi.publishing.sync_client",
+    "SyncPipeline": "pepsi.publishing.pipeline",
+}
 
 
 def __getattr__(name: str) -> Any:
     # The clients load psycopg_pool; commands that never publish skip it.
     if name in _CLIENT:
-        from pepsi.publishing import client  # noqa: PLC0415  # also loads .pipeline
-
-        return getattr(client, name)
+        return getattr(importlib.import_module(_CLIENT[name]), name)
     raise AttributeError(f"module 'pepsi.publishing' has no attribute {name!r}")
 
 

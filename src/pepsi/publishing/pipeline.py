@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 
 class AsyncPublisher(Protocol):
-    """What a pipeline needs of its publisher: `publishing.client.AsyncPublisher`, which
+    """What a pipeline needs of its publisher: `publishing.async_client.AsyncPublisher`, which
     makes pipelines (so this module does not import it back)."""
 
     @property

@@ -28,7 +28,7 @@ from pepsi.publishing import InvalidMessage, OutgoingMessage, Retry
 from pepsi.publishing.retry import DEFAULT_DEADLINE
 
 if TYPE_CHECKING:
-    from pepsi.publishing.client import Publisher
+    from pepsi.publishing.sync_client import Publisher
 
 JSON_RENAMED: dict[str, str] = {
     "user": "origin_user",
@@ -228,7 +228,7 @@ def run_ingress(args: argparse.Namespace, ctx: Context) -> int:
     if args.format == "raw" and not args.files and sys.stdin.isatty():
         raise _Usage("reading the message body from a terminal: pipe it in or give FILE")
     retry = _retry(args)
-    from pepsi.publishing.client import Publisher  # noqa: PLC0415  # psycopg_pool loads slowly
+    from pepsi.publishing.sync_client import Publisher  # noqa: PLC0415  # psycopg_pool loads slowly
 
     publisher = Publisher.connect(ctx.config(), retry=retry or False)
     out = sys.stdout

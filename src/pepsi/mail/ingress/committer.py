@@ -17,7 +17,7 @@ from pepsi.errors import PepsiError
 from pepsi.mail.protocol import replies
 from pepsi.mail.protocol.replies import Reply
 from pepsi.publishing import OutgoingMessage
-from pepsi.publishing.client import AsyncPublisher
+from pepsi.publishing.async_client import AsyncPublisher
 from pepsi.publishing.errors import InvalidMessage, Rejected
 from pepsi.publishing.pipeline import Pipeline
 

@@ -33,7 +33,7 @@ from pepsi.mail.ingress.committer import Committer
 from pepsi.mail.ingress.connection import Ingress
 from pepsi.mail.ingress.session import LmtpSession, SmtpSession
 from pepsi.mail.protocol import replies
-from pepsi.publishing.client import AsyncPublisher
+from pepsi.publishing.async_client import AsyncPublisher
 
 log = logging.getLogger("pepsi.ingress")
 
