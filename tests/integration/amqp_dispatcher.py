@@ -17,7 +17,8 @@ import psycopg
 from pika.adapters.blocking_connection import BlockingChannel
 
 from pepsi.amqp.broker.expiry import Expiry
-from pepsi.config.parse import parse_config, parse_ini
+from pepsi.config.ini import parse_ini
+from pepsi.config.parse import parse_config
 from pepsi.dispatch.coordinator import Dispatcher
 from tests.integration.amqp_harness import PASSWORD
 from tests.scenarios.conftest import wait_until

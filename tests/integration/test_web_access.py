@@ -24,7 +24,8 @@ from yarl import URL
 
 from pepsi.amqp.auth.passwords import hash_password
 from pepsi.config import Config
-from pepsi.config.parse import parse_config, parse_ini
+from pepsi.config.ini import parse_ini
+from pepsi.config.parse import parse_config
 from pepsi.errors import ConfigError
 from pepsi.web import server
 from pepsi.web.app import CONSOLE

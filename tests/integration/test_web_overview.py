@@ -14,7 +14,8 @@ import aiohttp
 import psycopg
 
 from pepsi.config import Config
-from pepsi.config.parse import parse_config, parse_ini
+from pepsi.config.ini import parse_ini
+from pepsi.config.parse import parse_config
 from pepsi.db.queries import query_text
 from pepsi.dispatch.services.live import CHANNEL, payloads
 from pepsi.dispatch.services.metrics import Gauges, Snapshot

@@ -20,7 +20,8 @@ from psycopg import sql
 from pepsi.admin import queue
 from pepsi.amqp.auth.passwords import hash_password
 from pepsi.config import Config
-from pepsi.config.parse import parse_config, parse_ini
+from pepsi.config.ini import parse_ini
+from pepsi.config.parse import parse_config
 from pepsi.db.queries import query
 from pepsi.web.server import start
 

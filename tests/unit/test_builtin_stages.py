@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from pepsi.config import StageConfig, parse_config
-from pepsi.config.parse import parse_ini
+from pepsi.config.ini import parse_ini
 from pepsi.errors import WorkerRefused
 from pepsi.stage import Needs, needs_of
 from pepsi.stages import bounce, discard, if_, set_

@@ -6,7 +6,8 @@ import re
 from datetime import UTC, datetime, timedelta
 
 from pepsi.config import Config
-from pepsi.config.parse import parse_config, parse_ini
+from pepsi.config.ini import parse_ini
+from pepsi.config.parse import parse_config
 from pepsi.web import graph
 from pepsi.web.overview_data import chart_bars
 

@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pepsi.config import StageConfig
-from pepsi.config.parse import parse_config, parse_ini
+from pepsi.config.ini import parse_ini
+from pepsi.config.parse import parse_config
 from pepsi.worker.settings import (
     PER_MESSAGE,
     OverrideCheck,

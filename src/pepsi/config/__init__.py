@@ -10,15 +10,18 @@ Layout of the file (see docs/configuration.md for every key):
     [stage-NAME]        one per stage
 
 The package: `model` (the frozen dataclasses and their defaults), `values`
-(one parser per value type), `parse` (reading the file, the overlay merge,
-`parse_config`, `load_config`), `graph` (NEXT/BOUNCE_STAGE checks) and
-`overlay` (reading `pepsi.config_override` from the database). Importers use
-the names re-exported here.
+(one parser per value type), `ini` (reading the file), `keys` (each
+section's keys), `parse` (`parse_config`), `stage_section` (a [stage-NAME]),
+`load` (finding the file, the overlay merge, `load_config`), `graph`
+(NEXT/BOUNCE_STAGE checks) and `overlay` (reading `pepsi.config_override`
+from the database). Importers use the names re-exported here.
 """
 
 from __future__ import annotations
 
 from pepsi.config.graph import next_cycles, validate_graph
+from pepsi.config.ini import read_file
+from pepsi.config.load import default_locations, find_config, load_config, merge_overlay
 from pepsi.config.model import (
     MAX_LIFETIME,
     MAX_RUNTIME,
@@ -40,14 +43,7 @@ from pepsi.config.model import (
     default_data_dir,
 )
 from pepsi.config.overlay import OverlayRow, read_overlay, read_overlay_async, with_overlay
-from pepsi.config.parse import (
-    default_locations,
-    find_config,
-    load_config,
-    merge_overlay,
-    parse_config,
-    read_file,
-)
+from pepsi.config.parse import parse_config
 from pepsi.config.values import HANDLER_REF, STAGE_NAME
 
 __all__ = [

@@ -1,6 +1,6 @@
 """`[pepsi-ingress]`: the publishers' limits and the SMTP/LMTP server's keys.
 
-The keys are parsed one by one like every section's (`parse._parse_section`);
+The keys are parsed one by one like every section's (`keys.parse_section`);
 `ingress_options` then checks what only the whole section can tell: a
 listener needs a STAGE that exists, TLS needs both its files, and a message
 of MAX_SIZE must still fit MAX_MESSAGE_SIZE once its `Received:` is added.

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pepsi.config.load import load_config
 from pepsi.config.model import Config
-from pepsi.config.parse import load_config
 
 if TYPE_CHECKING:
     import psycopg

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pepsi.config import StageConfig
-from pepsi.config.parse import STAGE_KEYS
+from pepsi.config.keys import STAGE_KEYS
 from pepsi.config.values import is_amqp_stage
 from pepsi.stages.options import BUILTINS, OptionError
 
