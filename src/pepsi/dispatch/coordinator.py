@@ -7,7 +7,8 @@ first applies what happened meanwhile (the supervisor tends its pools, the
 row writer flushes requeues, strikes and pauses, the sweeper resumes due
 rows), then runs ONE claim statement for all stages with free capacity
 (P-4), and hands the claimed ids to the stages' pools (P-6). The services
-are in their own modules; docs/architecture.md draws them.
+are in their own modules; docs/architecture.md draws them. The listeners
+it serves besides (metrics, AMQP, the web console) are in `endpoints`.
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from typing import Any
 
 import psycopg
 
-from pepsi.admin.horizon import Probe
 from pepsi.amqp.broker.broker import Broker as AmqpBroker
 from pepsi.amqp.session import server as amqp_server
-from pepsi.config import Config, Overflow
-from pepsi.config.values import host_port, is_loopback
+from pepsi.config import Config
+from pepsi.dispatch.endpoints import Endpoints
 from pepsi.dispatch.ledger import InFlight
 from pepsi.dispatch.policy import decisions, fairness
 from pepsi.dispatch.pools.pool import PoolOptions
@@ -39,7 +39,6 @@ from pepsi.dispatch.services.claimer import Claimer
 from pepsi.dispatch.services.flusher import StatsFlusher
 from pepsi.dispatch.services.listener import Listener
 from pepsi.dispatch.services.live import LivePublisher
-from pepsi.dispatch.services.metrics import Gauges, MetricsServer, Snapshot
 from pepsi.dispatch.services.sweeper import Sweeper, SweepOptions
 from pepsi.dispatch.services.vacuum import Vacuum
 from pepsi.dispatch.session import Session, SessionOptions, StopRequested
@@ -64,19 +63,7 @@ BUG_PAUSE = 1.0  # seconds the loop rests after an unexpected error in a cycle
 AMQP_STAGE_PREFIX = "amqp:"  # an AMQP queue's stage (pepsi.amqp_queue_stage)
 
 
-class _AmqpLink:
-    """What the AMQP deliverer tells the dispatcher (amqp.delivery.DispatchLink)."""
-
-    def __init__(self, dispatcher: Dispatcher) -> None:
-        self.dispatcher = dispatcher
-        self.returned = dispatcher.ledger.returned
-        self.consumed = dispatcher.ledger.consumed
-
-    def wake(self, cause: str) -> None:
-        self.dispatcher.wake("worker")  # consumers are workers to the statistics (P-9)
-
-
-class Dispatcher:
+class Dispatcher(Endpoints):
     def __init__(
         self, config: Config, dsn: str, clock: Callable[[], float] = time.monotonic
     ) -> None:
@@ -207,120 +194,6 @@ class Dispatcher:
                 if not is_reconnect(exc):
                     raise
                 log.error("could not requeue in-flight rows; the next start resets them")
-
-    def _serve_metrics(self) -> MetricsServer | None:
-        address = self.config.dispatch.metrics_address
-        if address is None:
-            return None
-        if not is_loopback(address[0]):
-            log.warning(
-                "metrics at %s answer anyone who can reach that address (the endpoint has "
-                "no authentication): keep METRICS_ADDRESS on loopback, or firewall it",
-                host_port(*address),
-            )
-        try:
-            # the oldest transaction is read on the scrape's thread, on its own connection
-            horizon = Probe(self.dsn, timeout=min(self.config.postgres.connect_timeout, 5.0))
-            server = MetricsServer(
-                address, self._metrics_snapshot, list(self.supervisor.pools), horizon=horizon
-            )
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot listen on {address[0]}:{address[1]}: {exc.strerror or exc}",
-                section="pepsi-dispatch",
-                key="METRICS_ADDRESS",
-            ) from None
-        log.info("metrics at %s", server.url)
-        return server
-
-    async def _serve_amqp(self) -> amqp_server.Server | None:
-        """The AMQP listener ([pepsi-amqp] LISTEN), served on this loop; None when off."""
-        options = self.config.amqp
-        if options.listen is None:
-            return None
-        limits = {  # a stage of STAGES keeps its MAX_LENGTH and OVERFLOW for AMQP publishes
-            name: (stage.max_length, stage.overflow is Overflow.DROP_HEAD)
-            for name in options.stages
-            if (stage := self.config.stages.get(name)) is not None and stage.max_length is not None
-        }
-        self.amqp_broker = AmqpBroker(
-            self.dsn, self.config.postgres.connect_timeout, entries=options.stages,
-            entry_limits=limits,
-        )  # fmt: skip
-        self.amqp_broker.deliverer.link = _AmqpLink(self)
-        # AMQP publishes are written by this process: they wake this loop, not NOTIFY (P-3)
-        self.amqp_broker.batcher.on_committed = lambda: self.wake("notify")
-        await self.amqp_broker.drop_transient()
-        await self.amqp_broker.declare_entries()
-        try:
-            server = await amqp_server.serve(
-                options.listen,
-                amqp_server.ConnectionOptions(options),
-                self.dsn,
-                self.config.postgres.connect_timeout,
-                self.amqp_broker,
-            )
-        except OSError as exc:
-            host, port = options.listen
-            raise ConfigError(
-                f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                section="pepsi-amqp",
-                key="LISTEN",
-            ) from None
-        self.amqp_broker.batcher.on_blocked = server.set_blocked  # connection.blocked
-        host, port = server.address
-        log.info("amqp listening on %s", host_port(host, port))
-        return server
-
-    async def _serve_web(self) -> Any:
-        """The web console ([pepsi-web] LISTEN), served on this loop; None when off."""
-        address = self.config.web.listen
-        if address is None:
-            return None
-        from pepsi.web import server  # noqa: PLC0415  # aiohttp only when serving
-
-        try:
-            running = await server.start(
-                self.config, self.dsn, address, dispatcher=self, publish_as="pepsi dispatch"
-            )
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot listen on {address[0]}:{address[1]}: {exc.strerror or exc}",
-                section="pepsi-web",
-                key="LISTEN",
-            ) from None
-        if running.token is None:
-            log.info("web console at %s", running.url)
-        else:  # the token stays out of the log: its file is the owner's only
-            log.info("web console at %s (`pepsi web url` prints its link)", running.url)
-        return running
-
-    def _metrics_snapshot(self) -> Snapshot:
-        """Counters since start and the pools' gauges, taken on the loop."""
-        now = self.clock()
-        pools = self.supervisor.pools
-        return Snapshot(
-            self.stats.snapshot(),
-            Gauges(
-                workers={name: len(pool.workers) for name, pool in pools.items()},
-                in_flight={
-                    name: sum(len(w.inflight) for w in pool.workers.values())
-                    for name, pool in pools.items()
-                },
-                worker_limit={
-                    name: pool.limit(self.supervisor.cap(name, now)) for name, pool in pools.items()
-                },
-                started=self.started_at.timestamp(),
-                executing=tuple(
-                    sorted(
-                        w.inflight[0]
-                        for pool in pools.values()
-                        for w in pool.workers.values()
-                        if w.ready and w.inflight
-                    )
-                ),
-            ),
-        )
 
     # ---- the loop ------------------------------------------------------------
 
