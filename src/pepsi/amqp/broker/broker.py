@@ -8,7 +8,7 @@ channel (the seam in connection.py). It owns:
 - a `publish.batcher.Batcher`: every publish of every channel becomes rows of
   `pepsi.workqueue`, many publishes per commit; confirms are sent when the batch
   commits, never before (A-2);
-- the exclusive queues of each open connection, deleted when it ends.
+- the exclusive queues of each open connection, deleted when it ends;
 - a `delivery.Deliverer`: the consumers, fed by the dispatcher's claim within their
   credit, and their outcomes written to the rows.
 
