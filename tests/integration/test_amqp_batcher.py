@@ -1,4 +1,4 @@
-"""The publish batcher (pepsi.amqp.broker.publisher.Batcher) on its own."""
+"""The publish batcher (pepsi.amqp.broker.publish.batcher.Batcher) on its own."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import asyncio
 
 import psycopg
 
-from pepsi.amqp.broker.publisher import HIGH_WATER_BYTES, Batcher, Item, Unit
+from pepsi.amqp.broker.publish.batcher import HIGH_WATER_BYTES, Batcher
+from pepsi.amqp.broker.publish.units import Item, Unit
 from pepsi.publishing.message import Row
 
 

@@ -18,7 +18,8 @@ from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import BasicProperties
 
 from pepsi.admin.accounts import amqp_users
-from pepsi.amqp.broker.publisher import Batcher, Item, Unit
+from pepsi.amqp.broker.publish.batcher import Batcher
+from pepsi.amqp.broker.publish.units import Item, Unit
 from pepsi.db.backoff import Backoff
 from pepsi.publishing.message import Row
 from tests.integration.amqp_dispatcher import (

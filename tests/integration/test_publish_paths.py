@@ -14,7 +14,8 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from pepsi.amqp.broker import arrays, publisher
+from pepsi.amqp.broker.publish import arrays
+from pepsi.amqp.broker.publish.params import LEAN_SQL, call_params, lean_params
 from pepsi.config import Config, load_config
 from pepsi.publishing import InvalidMessage, OutgoingMessage, Publisher, Rejected, batch
 from pepsi.publishing.message import Row
@@ -135,7 +136,7 @@ def test_amqp_batch_writes_what_the_general_path_writes(conn: Conn) -> None:
         Row("other", None, False, None, None, "bob", None, None, None, None, None, None, None,
             None, None),
     ]  # fmt: skip
-    params = publisher.lean_params(amqp_rows)
+    params = lean_params(amqp_rows)
     assert params is not None
 
     def written(sql: str, args: tuple[Any, ...]) -> list[int]:
@@ -150,22 +151,20 @@ def test_amqp_batch_writes_what_the_general_path_writes(conn: Conn) -> None:
         )
         return [int(r[0]) for r in found.fetchall()]
 
-    lean = written(publisher.LEAN_SQL, params)
-    slow = written(batch.SQL, publisher._call_params(amqp_rows, {}))
+    lean = written(LEAN_SQL, params)
+    slow = written(batch.SQL, call_params(amqp_rows, {}))
     assert len(lean) == len(slow) == 4
     got = rows(conn, lean)
     assert got == rows(conn, slow)
-    # as the batcher sends them: columns of one repeated value packed (pepsi.amqp.broker.arrays)
+    # as the batcher sends them: columns of one repeated value packed (amqp.broker.publish.arrays)
     arrays.register(conn)
     for model, count in ((amqp_rows[0], 8), (amqp_rows[2], 9)):  # all set; mostly NULL
         same = [model._replace(body=b"same")] * 3
-        same_params = publisher.lean_params(same)
+        same_params = lean_params(same)
         assert same_params is not None
         packed = arrays.pack_columns(same_params, keep=9)
         assert sum(isinstance(c, arrays.PackedText | arrays.PackedBytea) for c in packed) == count
-        assert rows(conn, written(publisher.LEAN_SQL, packed)) == rows(
-            conn, written(publisher.LEAN_SQL, same_params)
-        )
+        assert rows(conn, written(LEAN_SQL, packed)) == rows(conn, written(LEAN_SQL, same_params))
     assert [r[0] for r in got] == ["inbound", "other", "inbound", "other"]  # as given
     assert [r[14] for r in got] == ["user:alice", "ip:2001:db8:1:2::/64", "null:", "user:bob"]
     assert [r[-3:] for r in got] == [

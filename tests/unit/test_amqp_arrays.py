@@ -1,11 +1,11 @@
-"""Packed array arguments of a publish batch (pepsi.amqp.broker.arrays), without a database."""
+"""Packed array arguments of a publish batch (pepsi.amqp.broker.publish.arrays), without a database."""
 
 from __future__ import annotations
 
 import struct
 from datetime import UTC, datetime
 
-from pepsi.amqp.broker.arrays import PackedBytea, PackedText, pack, pack_columns
+from pepsi.amqp.broker.publish.arrays import PackedBytea, PackedText, pack, pack_columns
 
 
 def test_pack_is_postgresqls_binary_array_format() -> None:

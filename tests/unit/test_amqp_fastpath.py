@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pamqp import commands
 
-from pepsi.amqp.broker.broker import plain_stages
 from pepsi.amqp.broker.catalogue import Queue, VhostView
-from pepsi.amqp.broker.publisher import Item, Unit
+from pepsi.amqp.broker.publish.publishing import plain_stages
+from pepsi.amqp.broker.publish.units import Item, Unit
 from pepsi.amqp.model.arguments import QueueDeclaration
 from pepsi.amqp.wire import framing
 from pepsi.publishing.message import Row

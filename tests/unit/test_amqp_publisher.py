@@ -10,14 +10,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pika.spec import BasicProperties
 
-from pepsi.amqp.broker.broker import (
-    column_peer,
-    column_text,
-    parse_expiration,
-    read_properties,
-    routing_json,
-)
-from pepsi.amqp.broker.publisher import Confirm, Item, group_confirms, lean_params, split
+from pepsi.amqp.broker.publish.columns import column_peer, column_text, routing_json
+from pepsi.amqp.broker.publish.confirms import Confirm, group_confirms
+from pepsi.amqp.broker.publish.params import lean_params, split
+from pepsi.amqp.broker.publish.properties import parse_expiration, read_properties
+from pepsi.amqp.broker.publish.units import Item
 from pepsi.amqp.wire.framing import decode_properties
 from pepsi.amqp.wire.replies import ChannelError
 from pepsi.publishing.message import Row

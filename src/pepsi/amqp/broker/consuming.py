@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from pepsi.amqp.broker.catalogue import Catalogue
     from pepsi.amqp.broker.delivery import Deliverer
     from pepsi.amqp.broker.expiry import Expiry
-    from pepsi.amqp.broker.publisher import Batcher
+    from pepsi.amqp.broker.publish.batcher import Batcher
 
 
 class Broker(Protocol):

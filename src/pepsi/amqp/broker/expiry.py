@@ -69,7 +69,7 @@ from pepsi.errors import PepsiError, one_line
 
 if TYPE_CHECKING:
     from pepsi.amqp.broker.delivery import Deliverer
-    from pepsi.amqp.broker.publisher import Batcher
+    from pepsi.amqp.broker.publish.batcher import Batcher
 
 
 class Broker(Protocol):

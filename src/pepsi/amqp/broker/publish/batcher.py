@@ -11,8 +11,9 @@ Publishes that arrive while a commit runs form the next one: grouping grows
 with load and costs nothing when idle. Without a length
 limit in the batch, the transaction is one statement of `pepsi.amqp_publish`
 (only the columns a publish fills; one round trip; a column that repeats
-one value goes packed, see `pepsi.amqp.broker.arrays`); with one, it is
-`pepsi.workqueue_publish`, the function `Publisher` uses, which enforces them.
+one value goes packed, see `pepsi.amqp.broker.publish.arrays`); with one, it is
+`pepsi.workqueue_publish`, the function `Publisher` uses, which enforces them
+(the arguments of either: `params`).
 
 Queue limits are the publish function's (R-3): the stages of drop-head queues
 go with the batch's limit arrays; each reject-publish stage is written under
@@ -23,8 +24,6 @@ again one row at a time, so only the publishes that do not fit are refused
 If the transaction fails (connection lost, commit refused), every unit of it
 fails: the broker nacks confirm publishes and closes non-confirm channels'
 connections. The connection is then opened again, by `pepsi.db.backoff`.
-`group_confirms` (pure) turns settled delivery tags into as few
-`basic.ack`/`basic.nack` as `multiple=True` allows.
 """
 
 from __future__ import annotations
@@ -32,16 +31,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Final
 
 import psycopg
 
-from pepsi.amqp.broker import arrays
+from pepsi.amqp.broker.publish import arrays
+from pepsi.amqp.broker.publish.params import LEAN_BODIES, LEAN_SQL, call_params, lean_params, split
+from pepsi.amqp.broker.publish.units import Limit, Unit
 from pepsi.db.backoff import Backoff
 from pepsi.db.connect import connect_async
-from pepsi.db.queries import query_text
 from pepsi.errors import PepsiError, one_line
 from pepsi.publishing.batch import SQL as PUBLISH_SQL
 from pepsi.publishing.message import Row
@@ -54,169 +53,6 @@ MAX_BATCH_ROWS: Final = 2000  # rows per transaction at most
 MAX_BATCH_BYTES: Final = 32 * 1024 * 1024
 HIGH_WATER_ROWS: Final = 20_000  # waiting rows over this: publishers wait (TCP back-pressure)
 HIGH_WATER_BYTES: Final = 2 * MAX_BATCH_BYTES  # ... or bytes over this (large bodies)
-DEDUP_WINDOW: Final = 86400.0  # the function's argument; AMQP publishes never deduplicate
-LEAN_SQL: Final = query_text("amqp_publish")
-# The Row fields pepsi.amqp_publish takes, in its arguments' order, and those it does not
-# (a basic.publish never sets them; dedup is False).
-_LEAN_FIELDS: Final = tuple(Row._fields.index(name) for name in (
-    "stage", "message_id", "origin_user", "origin_peer", "content_type", "correlation_id",
-    "properties", "expires", "header", "body", "priority",
-))  # fmt: skip
-_LEAN_BODIES: Final = len(_LEAN_FIELDS) - 2  # the bodies: never packed (see arrays)
-_PRIORITY: Final = Row._fields.index("priority")
-_DEDUP: Final = Row._fields.index("dedup")
-_ENVELOPE_FIELDS: Final = tuple(
-    Row._fields.index(name) for name in ("sender", "recipients", "header_from", "subject")
-)
-
-Limit = tuple[int, bool]  # (MAX_LENGTH, drop-head?)
-
-
-# --- pure: grouping confirms -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Confirm:
-    """One basic.ack (ok) or basic.nack to send."""
-
-    ok: bool
-    tag: int
-    multiple: bool
-
-
-def group_confirms(
-    settled_through: int, outcomes: Sequence[tuple[int, bool]]
-) -> tuple[list[Confirm], int]:
-    """The acks and nacks for newly settled tags, and the new `settled_through`.
-
-    `settled_through`: every tag up to it is settled already. `outcomes`:
-    (tag, ok) of tags settled now, above it, each once. A run of consecutive tags
-    with one outcome that starts right after everything settled is one confirm
-    with `multiple=True` (which settles every unsettled tag up to its own, so it
-    may only be used when nothing before the run is still open); any other tag
-    is confirmed alone.
-    """
-    ordered = sorted(outcomes)
-    plan: list[Confirm] = []
-    floor = settled_through
-    i = 0
-    while i < len(ordered):
-        first, ok = ordered[i]
-        j = i
-        while (
-            j + 1 < len(ordered)
-            and ordered[j + 1][0] == ordered[j][0] + 1
-            and ordered[j + 1][1] == ok
-        ):
-            j += 1
-        last = ordered[j][0]
-        if first == floor + 1:
-            plan.append(Confirm(ok, last, multiple=j > i))
-            floor = last
-        else:
-            plan.extend(Confirm(ok, tag, multiple=False) for tag, _ in ordered[i : j + 1])
-        i = j + 1
-    return plan, floor
-
-
-# --- units ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Item:
-    """One publish: a row per destination queue (none: unroutable, settled in order)."""
-
-    rows: list[Row]
-    limits: dict[str, Limit] = field(default_factory=dict)  # stage -> its limit
-    refused: bool = False  # a reject-publish queue had no room
-    rejected: bool = False  # ... by the broker's x-max-length-bytes estimate, at publish
-
-    @property
-    def size(self) -> int:
-        total = 0
-        for r in self.rows:
-            total += len(r.body or b"") + len(r.header or b"")
-        return total
-
-
-class Unit:
-    """Items committed together or not at all; `done` gets the outcome once.
-
-    `done(items, None)` after the commit (each item's `refused` says whether a
-    reject-publish queue refused it); `done(items, error)` if it did not commit.
-    `rows` and `size` are counted once here: a unit's items do not change after.
-    A plain class with slots, not a dataclass: one is made per publish.
-    """
-
-    __slots__ = ("done", "items", "rows", "size")
-
-    def __init__(
-        self, items: list[Item], done: Callable[[list[Item], BaseException | None], None]
-    ) -> None:
-        self.items = items
-        self.done = done
-        rows = size = 0
-        for item in items:
-            for row in item.rows:
-                rows += 1
-                size += len(row.body or b"") + len(row.header or b"")
-        self.rows, self.size = rows, size
-
-
-def _call_params(rows: Sequence[Row], limits: dict[str, Limit]) -> tuple[Any, ...]:
-    columns = [list(column) for column in zip(*rows, strict=True)]
-    priorities = columns.pop()  # the function's last argument; NULL: all 0
-    stages = sorted(limits)
-    return (
-        *columns,
-        stages,
-        [limits[s][0] for s in stages],
-        [limits[s][1] for s in stages],
-        [None] * len(stages),  # BOUNCE_STAGE: no dead-letter route for AMQP queues yet
-        DEDUP_WINDOW,
-        priorities if any(priorities) else None,
-    )
-
-
-def lean_params(rows: Sequence[Row]) -> tuple[Any, ...] | None:
-    """The arguments of `pepsi.amqp_publish` for `rows`, or None when a row carries a
-    field only `pepsi.workqueue_publish` takes (dedup or an envelope field)."""
-    columns = list(zip(*rows, strict=True))
-    if any(columns[_DEDUP]):
-        return None
-    n = len(rows)
-    for index in _ENVELOPE_FIELDS:
-        if columns[index].count(None) != n:
-            return None
-    lean = [list(columns[i]) for i in _LEAN_FIELDS]
-    if not any(columns[_PRIORITY]):
-        lean[-1] = None  # type: ignore[call-overload]  # NULL: all 0, nothing to send
-    return tuple(lean)
-
-
-def split(
-    items: Sequence[Item],
-) -> tuple[list[Row], dict[str, Limit], dict[str, list[tuple[Item, Row]]]]:
-    """Rows for one call (unlimited and drop-head stages, with those limits), and the rows
-    of each reject-publish stage with their items, in order. Resets `refused` (to
-    `rejected`: refused at publish already)."""
-    free: list[Row] = []
-    free_limits: dict[str, Limit] = {}
-    guarded: dict[str, list[tuple[Item, Row]]] = {}
-    for item in items:
-        item.refused = item.rejected
-        for row in item.rows:
-            limit = item.limits.get(row.stage)
-            if limit is not None and not limit[1]:
-                guarded.setdefault(row.stage, []).append((item, row))
-            else:
-                free.append(row)
-                if limit is not None:
-                    free_limits[row.stage] = limit
-    return free, free_limits, guarded
-
-
-# --- the batcher -------------------------------------------------------------------------
 
 
 class Batcher:
@@ -433,13 +269,13 @@ class Batcher:
             # round trip per batch instead of BEGIN, the call and COMMIT.
             lean = None if free_limits else lean_params(free)
             if lean is not None:
-                await conn.execute(LEAN_SQL, arrays.pack_columns(lean, keep=_LEAN_BODIES))
+                await conn.execute(LEAN_SQL, arrays.pack_columns(lean, keep=LEAN_BODIES))
             else:
-                await conn.execute(PUBLISH_SQL, _call_params(free, free_limits))
+                await conn.execute(PUBLISH_SQL, call_params(free, free_limits))
             return
         async with conn.transaction():
             if free:
-                await conn.execute(PUBLISH_SQL, _call_params(free, free_limits))
+                await conn.execute(PUBLISH_SQL, call_params(free, free_limits))
             for stage, pairs in guarded.items():
                 limit = {stage: pairs[0][0].limits[stage]}
                 if await self._try(conn, [row for _, row in pairs], limit):
@@ -455,7 +291,7 @@ class Batcher:
         """Write `rows` under a savepoint; False if the stage's limit refused them."""
         try:
             async with conn.transaction():
-                await conn.execute(PUBLISH_SQL, _call_params(rows, limit))
+                await conn.execute(PUBLISH_SQL, call_params(rows, limit))
         except psycopg.Error as error:
             if error.sqlstate == REJECTED:
                 return False
@@ -463,4 +299,4 @@ class Batcher:
         return True
 
 
-__all__ = ["Batcher", "Confirm", "Item", "Unit", "group_confirms"]
+__all__ = ["Batcher"]
