@@ -65,7 +65,7 @@ AMQP_STAGE_PREFIX = "amqp:"  # an AMQP queue's stage (pepsi.amqp_queue_stage)
 
 
 class _AmqpLink:
-    """What the AMQP deliverer tells the dispatcher (amqp.delivery.DispatchLink)."""
+    """What the AMQP deliverer tells the dispatcher (amqp.broker.consume.state.DispatchLink)."""
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher

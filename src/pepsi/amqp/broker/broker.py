@@ -36,8 +36,8 @@ from pamqp import base, commands
 from pepsi.addresses import MAX_TEXT  # a longer property is not copied into its column
 from pepsi.amqp.auth.permissions import Access, allowed, exchange_resource
 from pepsi.amqp.broker.catalogue import Catalogue, Queue, VhostView
-from pepsi.amqp.broker.consuming import ConsumingChannel, stage_queue_text
-from pepsi.amqp.broker.delivery import Deliverer
+from pepsi.amqp.broker.consume.consuming import ConsumingChannel, stage_queue_text
+from pepsi.amqp.broker.consume.delivery import Deliverer
 from pepsi.amqp.broker.expiry import Expiry, ttl_expires
 from pepsi.amqp.broker.publisher import Batcher, Item, Unit, group_confirms
 from pepsi.amqp.model.arguments import (

@@ -68,7 +68,7 @@ from pepsi.db.queries import query
 from pepsi.errors import PepsiError, one_line
 
 if TYPE_CHECKING:
-    from pepsi.amqp.broker.delivery import Deliverer
+    from pepsi.amqp.broker.consume.delivery import Deliverer
     from pepsi.amqp.broker.publisher import Batcher
 
 
