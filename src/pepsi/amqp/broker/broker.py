@@ -38,8 +38,9 @@ from pepsi.amqp.auth.permissions import Access, allowed, exchange_resource
 from pepsi.amqp.broker.catalogue import Catalogue, Queue, VhostView
 from pepsi.amqp.broker.consume.consuming import ConsumingChannel, stage_queue_text
 from pepsi.amqp.broker.consume.delivery import Deliverer
-from pepsi.amqp.broker.expiry import Expiry, ttl_expires
+from pepsi.amqp.broker.expiry import Expiry
 from pepsi.amqp.broker.publisher import Batcher, Item, Unit, group_confirms
+from pepsi.amqp.broker.ttl import ttl_expires
 from pepsi.amqp.model.arguments import (
     MAX_EXPIRY_MS,
     QueueDeclaration,
