@@ -1,4 +1,4 @@
-"""The AMQP deliverer's outcome writes (pepsi.amqp.broker.delivery): acks alone wait a moment
+"""The AMQP deliverer's outcome writes (pepsi.amqp.broker.consume.settle): acks alone wait a moment
 for more, anything else ends that wait. Against the test database, without a listener."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import psycopg
 
-from pepsi.amqp.broker.delivery import Deliverer
+from pepsi.amqp.broker.consume.delivery import Deliverer
 from pepsi.amqp.model.consumers import Delivery
 
 STAGE = "amqp:/:q"

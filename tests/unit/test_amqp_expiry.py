@@ -1,4 +1,4 @@
-"""The expiry decisions of pepsi.amqp.broker.expiry: message expiry with x-message-ttl, and
+"""The expiry decisions of pepsi.amqp.broker.ttl: message expiry with x-message-ttl, and
 which queues with x-expires are due for deletion."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 
 from pepsi.amqp.broker.catalogue import Queue
-from pepsi.amqp.broker.expiry import expired_queues, first_use, ttl_expires
+from pepsi.amqp.broker.ttl import expired_queues, first_use, ttl_expires
 from pepsi.amqp.model.arguments import QueueDeclaration
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)

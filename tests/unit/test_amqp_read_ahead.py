@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from pepsi.amqp.broker.delivery import LOAD_STEP, Deliverer, Fetched
+from pepsi.amqp.broker.consume.delivery import Deliverer
+from pepsi.amqp.broker.consume.fetched import Fetched
+from pepsi.amqp.broker.consume.readahead import LOAD_STEP
 from pepsi.amqp.model.consumers import READ_AHEAD_MIN, ChannelBook, Consumer, Delivery
 
 STAGE = "amqp:/:q"

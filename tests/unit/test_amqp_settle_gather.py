@@ -1,9 +1,9 @@
 """Which consumer outcomes the AMQP deliverer writes at once, and which wait a moment for
-more (pepsi.amqp.broker.delivery.worth_gathering)."""
+more (pepsi.amqp.broker.consume.outcomes.worth_gathering)."""
 
 from __future__ import annotations
 
-from pepsi.amqp.broker.delivery import SETTLE_GATHER_ROWS, Outcomes, worth_gathering
+from pepsi.amqp.broker.consume.outcomes import SETTLE_GATHER_ROWS, Outcomes, worth_gathering
 
 STAGE = "amqp:/:q"
 

@@ -28,7 +28,7 @@ log = logging.getLogger("pepsi.dispatch")
 
 
 class _AmqpLink:
-    """What the AMQP deliverer tells the dispatcher (amqp.delivery.DispatchLink)."""
+    """What the AMQP deliverer tells the dispatcher (amqp.broker.consume.state.DispatchLink)."""
 
     def __init__(self, dispatcher: Endpoints) -> None:
         self.dispatcher = dispatcher

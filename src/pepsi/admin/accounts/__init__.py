@@ -1,2 +1,1 @@
-"""Accounts: AMQP users, vhosts and permissions; the ingress's AUTH users.
-"""
+"""Accounts: AMQP users, vhosts and permissions; the ingress's AUTH users."""

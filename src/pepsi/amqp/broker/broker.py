@@ -30,9 +30,9 @@ from pamqp import base
 
 from pepsi.amqp.auth.permissions import Access, allowed, exchange_resource
 from pepsi.amqp.broker.catalogue import Catalogue, Queue, VhostView
-from pepsi.amqp.broker.consuming import ConsumingChannel
+from pepsi.amqp.broker.consume.consuming import ConsumingChannel
+from pepsi.amqp.broker.consume.delivery import Deliverer
 from pepsi.amqp.broker.declaring import DeclaringChannel
-from pepsi.amqp.broker.delivery import Deliverer
 from pepsi.amqp.broker.expiry import Expiry
 from pepsi.amqp.broker.publish.batcher import Batcher
 from pepsi.amqp.broker.publish.publishing import PublishingChannel

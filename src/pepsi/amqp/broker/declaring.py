@@ -16,7 +16,7 @@ from pamqp import base, commands
 
 from pepsi.amqp.auth.permissions import Access
 from pepsi.amqp.broker.catalogue import Catalogue, Queue, VhostView
-from pepsi.amqp.broker.consuming import stage_queue_text
+from pepsi.amqp.broker.consume.consuming import stage_queue_text
 from pepsi.amqp.model.arguments import (
     QueueDeclaration,
     check_queue_properties,
@@ -41,7 +41,7 @@ from pepsi.amqp.wire import framing
 from pepsi.amqp.wire.replies import ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED, ChannelError
 
 if TYPE_CHECKING:
-    from pepsi.amqp.broker.delivery import Deliverer
+    from pepsi.amqp.broker.consume.delivery import Deliverer
     from pepsi.amqp.broker.expiry import Expiry
 
 

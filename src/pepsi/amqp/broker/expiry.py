@@ -11,7 +11,7 @@ name `pepsi-amqp-expiry`, reconnecting with the usual backoff). Every
   memory only, so the timer starts again when the broker starts (as in RabbitMQ);
   a queue it has not seen used counts from its declaration, or from the start.
 - **message expiry** (the `expiration` property, `x-message-ttl`, both in the
-  row's `expires`, see `ttl_expires`): at most `EXPIRY_BATCH` pending rows whose
+  row's `expires`, see `ttl.ttl_expires`): at most `EXPIRY_BATCH` pending rows whose
   expiry has passed, oldest first, are set to running in one statement
   (`amqp_expiry_claim`) and handed to `Deliverer.dead_letter` with reason
   `expired`: routed through the queue's dead-letter exchange with x-death, or kept
@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -60,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import psycopg
 
 from pepsi.amqp.broker.catalogue import Queue
+from pepsi.amqp.broker.ttl import QueueKey, expired_queues, first_use
 from pepsi.amqp.model.arguments import QueueDeclaration
 from pepsi.amqp.wire.replies import AMQPError
 from pepsi.db.backoff import Backoff
@@ -68,7 +68,7 @@ from pepsi.db.queries import query
 from pepsi.errors import PepsiError, one_line
 
 if TYPE_CHECKING:
-    from pepsi.amqp.broker.delivery import Deliverer
+    from pepsi.amqp.broker.consume.delivery import Deliverer
     from pepsi.amqp.broker.publish.batcher import Batcher
 
 
@@ -93,42 +93,6 @@ EXPIRED: Final = "expired"  # RabbitMQ's dead-letter reasons
 MAXLEN: Final = "maxlen"
 
 AConn = psycopg.AsyncConnection[tuple[Any, ...]]
-QueueKey = tuple[str, str]  # (vhost, name)
-
-
-# --- pure decisions ---------------------------------------------------------------------
-
-
-def ttl_expires(expires: dt.datetime | None, ttl_ms: int, now: dt.datetime) -> dt.datetime:
-    """A message's expiry in a queue with x-message-ttl: the sooner of its own
-    (`expiration`, None: none) and the queue's. A TTL of 0 expires it now."""
-    queue_expiry = now + dt.timedelta(milliseconds=ttl_ms)
-    return queue_expiry if expires is None or queue_expiry < expires else expires
-
-
-def first_use(started: float, now: float, age_ms: int) -> float:
-    """When a queue not seen used yet counts as last used: its declaration (`age_ms`
-    ago), or the service's start if later (RabbitMQ's timer restarts with the broker)."""
-    return max(started, now - max(age_ms, 0) / 1000)
-
-
-def expired_queues(
-    queues: Iterable[Queue], last_use: Mapping[QueueKey, float], now: float
-) -> list[Queue]:
-    """The queues with x-expires that have been unused that long (`last_use`: when each
-    was last used, in the clock of `now`; a queue missing from it is in use now)."""
-    due = []
-    for queue in queues:
-        expires = queue.arguments.expires
-        if expires is None:
-            continue
-        used = last_use.get((queue.declaration.vhost, queue.name), now)
-        if now - used >= expires / 1000:
-            due.append(queue)
-    return due
-
-
-# --- the service ------------------------------------------------------------------------
 
 
 class Expiry:
@@ -396,7 +360,4 @@ __all__ = [
     "EXPIRY_BATCH",
     "EXPIRY_INTERVAL",
     "Expiry",
-    "expired_queues",
-    "first_use",
-    "ttl_expires",
 ]

@@ -6,7 +6,7 @@ claim feeds them. This module says how many ids a consumed stage should read
 ahead (`Registry.targets`), which consumer gets the next message (`Registry.pick`,
 round robin among those with credit, as RabbitMQ) and which deliveries an ack,
 nack or reject settles (`ChannelBook.take`). The I/O (claimed rows read ahead,
-frames sent, outcomes written) is in `delivery.py`.
+frames sent, outcomes written) is in `broker/consume/`.
 
 Credit follows RabbitMQ 3.x `basic.qos`: a consumer's prefetch (global=false)
 bounds its own unacked deliveries, the channel's (global=true) bounds those of
@@ -88,7 +88,7 @@ class ChannelBook:
     consumers: dict[str, Consumer] = field(default_factory=dict)
     unacked: dict[int, Delivery] = field(default_factory=dict)
     next_tag: int = 1
-    owner: object = None  # the channel handler that sends for it (delivery.py)
+    owner: object = None  # the channel handler that sends for it (consume/pump.py)
 
     @property
     def unacked_count(self) -> int:

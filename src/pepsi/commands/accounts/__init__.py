@@ -1,2 +1,1 @@
-"""Subcommands for who may log in: AMQP users and permissions, mail users, passwords.
-"""
+"""Subcommands for who may log in: AMQP users and permissions, mail users, passwords."""

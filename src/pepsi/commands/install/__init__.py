@@ -1,2 +1,1 @@
-"""Subcommands that set up where Pepsi runs: the schema, the embedded database, a dev cluster.
-"""
+"""Subcommands that set up where Pepsi runs: the schema, the embedded database, a dev cluster."""

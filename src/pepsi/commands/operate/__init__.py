@@ -1,2 +1,1 @@
-"""Subcommands an operator uses on a running pipeline: queue, top, settings, config, telemetry.
-"""
+"""Subcommands an operator uses on a running pipeline: queue, top, settings, config, telemetry."""

@@ -1,2 +1,1 @@
-"""Every stage's elastic pool of worker processes, and each worker as the dispatcher sees it.
-"""
+"""Every stage's elastic pool of worker processes, and each worker as the dispatcher sees it."""

@@ -19,11 +19,11 @@ from pamqp import base, commands
 
 from pepsi.amqp.auth.permissions import Access
 from pepsi.amqp.broker.catalogue import Catalogue, VhostView
-from pepsi.amqp.broker.expiry import ttl_expires
 from pepsi.amqp.broker.publish import modes
 from pepsi.amqp.broker.publish.columns import column_peer, column_text, routing_json
 from pepsi.amqp.broker.publish.properties import Properties, parse_expiration, read_properties
 from pepsi.amqp.broker.publish.units import Item, Unit
+from pepsi.amqp.broker.ttl import ttl_expires
 from pepsi.amqp.model.routing import EXCHANGE
 from pepsi.amqp.session.connection import Channel
 from pepsi.amqp.wire import framing, replies
@@ -37,7 +37,7 @@ from pepsi.amqp.wire.replies import (
 from pepsi.publishing.message import Row
 
 if TYPE_CHECKING:
-    from pepsi.amqp.broker.delivery import Deliverer
+    from pepsi.amqp.broker.consume.delivery import Deliverer
     from pepsi.amqp.broker.expiry import Expiry
 
 ROUTING_CACHE: Final = 1024  # (exchange, routing key) JSON texts kept per channel

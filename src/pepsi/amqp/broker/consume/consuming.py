@@ -1,8 +1,8 @@
 """A channel's consuming methods: basic.qos/consume/cancel/get/ack/nack/reject/recover.
 
 `ConsumingChannel` is the half of `broker.BrokerChannel` that receives
-messages; the bookkeeping is in `consumers.py` (pure) and the I/O in
-`delivery.py`. Answers and error codes are RabbitMQ 3.x's with a quorum
+messages; the bookkeeping is in `model/consumers.py` (pure) and the I/O in the
+`delivery.Deliverer`. Answers and error codes are RabbitMQ 3.x's with a quorum
 queue; where Pepsi differs, docs/amqp.md says so.
 """
 
@@ -16,7 +16,7 @@ from pamqp import base, commands
 
 from pepsi.amqp.auth.permissions import Access
 from pepsi.amqp.broker.catalogue import Queue, VhostView
-from pepsi.amqp.broker.delivery import Fetched
+from pepsi.amqp.broker.consume.fetched import Fetched
 from pepsi.amqp.model.arguments import resource
 from pepsi.amqp.model.consumers import ChannelBook, Consumer, Delivery, UnknownTag
 from pepsi.amqp.model.routing import QUEUE
@@ -33,7 +33,7 @@ from pepsi.amqp.wire.replies import (
 
 if TYPE_CHECKING:
     from pepsi.amqp.broker.catalogue import Catalogue
-    from pepsi.amqp.broker.delivery import Deliverer
+    from pepsi.amqp.broker.consume.delivery import Deliverer
     from pepsi.amqp.broker.expiry import Expiry
     from pepsi.amqp.broker.publish.batcher import Batcher
 
