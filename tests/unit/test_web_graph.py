@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from pepsi.config import Config
 from pepsi.config.parse import parse_config, parse_ini
 from pepsi.web import graph
-from pepsi.web.overview_data import chart_bars
+from pepsi.web.overview_chart import chart_bars
 
 
 def config(text: str) -> Config:
