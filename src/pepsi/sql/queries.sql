@@ -977,7 +977,7 @@ SELECT (SELECT count(*) FROM newest), (SELECT coalesce(max(total), 0) FROM summe
 SELECT pg_notify('pepsi_live', part) FROM unnest(%(payloads)s::text[]) AS part;
 
 -- name: live_listen
--- Readers of the live snapshot (pepsi.admin.watch.live: pepsi top, the web console).
+-- Readers of the live snapshot (pepsi.admin.watch.live_listener: pepsi top, the web console).
 LISTEN pepsi_live;
 
 -- name: workqueue_page_pending

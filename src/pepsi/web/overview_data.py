@@ -4,7 +4,7 @@ One `OverviewState` per console app (`OVERVIEW`), with two tasks started and
 stopped with the app (`lifecycle`):
 
 - the live listener: an autocommit async connection of its own LISTENs on
-  `pepsi_live` (`pepsi.admin.watch.live.AsyncLiveListener`) and feeds the state's
+  `pepsi_live` (`pepsi.admin.watch.live_listener.AsyncLiveListener`) and feeds the state's
   `LiveRates`; it reconnects after a failure, every RECONNECT_AFTER seconds;
 - (no second task for the chart: the dispatcher's statistics flushes keep
   the last day's per-minute counts in `pepsi.stage_stats_minute`, which the
@@ -38,7 +38,8 @@ from aiohttp import web
 
 from pepsi.admin.watch import top
 from pepsi.admin.watch.activity import Counted, count_queue, read_sample
-from pepsi.admin.watch.live import AsyncLiveListener, LiveRates, LiveView
+from pepsi.admin.watch.live import LiveRates, LiveView
+from pepsi.admin.watch.live_listener import AsyncLiveListener
 from pepsi.config import Config
 from pepsi.config.values import is_amqp_stage
 from pepsi.db.connect import connect_async
