@@ -356,7 +356,7 @@ FROM pepsi.workqueue w LEFT JOIN pepsi.workqueue_body b USING (body_id)
 WHERE w.workqueue_id = %(id)s;
 
 -- name: dispatcher_lock_try_xact
--- A repair's test that no dispatcher runs (admin/queue.py). Held until the end
+-- A repair's test that no dispatcher runs (admin/queue_repair.py). Held until the end
 -- of the repair's transaction: no dispatcher runs, and none can start, while a
 -- repair touches running rows.
 SELECT pg_try_advisory_xact_lock(1885696115);
