@@ -9,17 +9,15 @@ import psycopg
 import pytest
 from psycopg.pq import TransactionStatus
 
-from pepsi.admin import queue
+from pepsi.admin import queue, queue_repair
 from pepsi.admin.queue import (
     MessageFilter,
     NoSuchMessage,
     QueueError,
-    RepairPlan,
     RepairRefused,
-    RepairRequest,
-    Selection,
     UnknownStage,
 )
+from pepsi.admin.queue_repair import RepairPlan, RepairRequest, Selection
 
 Conn = psycopg.Connection[Any]
 STAGES = ("a", "b")
@@ -135,22 +133,26 @@ def test_requests_are_checked_before_the_database(db: Conn) -> None:
         (request("wipe", 1), RepairRefused, "no repair named 'wipe'"),
     ):
         with pytest.raises(error, match=message):
-            queue.check(wrong, STAGES)
+            queue_repair.check(wrong, STAGES)
         with pytest.raises(error, match=message):
-            queue.repair(db, wrong, stages=STAGES)
+            queue_repair.repair(db, wrong, stages=STAGES)
     assert len(rows(db)) == 5
 
 
 def test_preview_counts_what_a_repair_would_touch_and_changes_nothing(db: Conn) -> None:
     before = rows(db)
-    plan = queue.preview(db, request("retry", every=True), stages=STAGES)
+    plan = queue_repair.preview(db, request("retry", every=True), stages=STAGES)
     assert (plan.ids, plan.count, plan.running) == ((3, 5), 2, ())
-    assert queue.preview(db, request("retry", failure_class="crashed", every=True),
+    assert queue_repair.preview(db, request("retry", failure_class="crashed", every=True),
                          stages=STAGES).ids == (3,)  # fmt: skip
-    assert queue.preview(db, request("resume", stage="a"), stages=STAGES).ids == (2,)
+    assert queue_repair.preview(db, request("resume", stage="a"), stages=STAGES).ids == (2,)
     # a stage selects the rows at it and those that failed at it
-    assert queue.preview(db, request("move", stage="a", to="b"), stages=STAGES).ids == (1, 2, 3)
-    plan = queue.preview(db, request("delete", stage="b"), stages=STAGES)
+    assert queue_repair.preview(db, request("move", stage="a", to="b"), stages=STAGES).ids == (
+        1,
+        2,
+        3,
+    )
+    plan = queue_repair.preview(db, request("delete", stage="b"), stages=STAGES)
     assert (plan.ids, plan.running) == ((3, 4, 5), (4,))  # no dispatcher: running rows too
     assert rows(db) == before
     assert db.info.transaction_status is TransactionStatus.IDLE
@@ -166,7 +168,7 @@ def test_each_repair_is_one_transaction_with_one_notify(db: Conn, other: Conn) -
         seen.append((plan, db.info.transaction_status, locked))
         return True
 
-    done = queue.repair(db, request("move", 1, 4, to="a"), stages=STAGES, confirm=confirm)
+    done = queue_repair.repair(db, request("move", 1, 4, to="a"), stages=STAGES, confirm=confirm)
     assert (done.action, done.ids) == ("move", (1, 4))
     ((plan, status, locked),) = seen
     assert (plan.ids, plan.running, status, locked) == ((1, 4), (4,), TransactionStatus.INTRANS,
@@ -180,21 +182,21 @@ def test_each_repair_is_one_transaction_with_one_notify(db: Conn, other: Conn) -
 
 def test_resume_retry_and_delete(db: Conn, other: Conn) -> None:
     other.execute("LISTEN workqueue")
-    assert queue.repair(db, request("resume", 2), stages=STAGES).ids == (2,)
+    assert queue_repair.repair(db, request("resume", 2), stages=STAGES).ids == (2,)
     assert db.execute("SELECT timeout FROM pepsi.workqueue WHERE workqueue_id = 2").fetchone() == (
         None,
     )
-    assert queue.repair(db, request("retry", every=True), stages=STAGES).ids == (3, 5)
+    assert queue_repair.repair(db, request("retry", every=True), stages=STAGES).ids == (3, 5)
     assert db.execute(
         "SELECT workqueue_id, stage, status::text, state FROM pepsi.workqueue"
         " WHERE workqueue_id IN (3, 5) ORDER BY 1"
     ).fetchall() == [(3, "a", "pending", {}), (5, "b", "pending", {})]
     assert len(list(other.notifies(timeout=1, stop_after=2))) == 2  # one per repair
-    assert queue.repair(db, request("delete", 1), stages=STAGES).ids == (1,)
+    assert queue_repair.repair(db, request("delete", 1), stages=STAGES).ids == (1,)
     assert list(other.notifies(timeout=0.2)) == []  # a delete wakes nobody
     assert db.execute("SELECT count(*) FROM pepsi.workqueue_body").fetchone() == (0,)
     # nothing qualifies any more: a bulk repair of nothing is not an error
-    assert queue.repair(db, request("resume", every=True), stages=STAGES).ids == ()
+    assert queue_repair.repair(db, request("resume", every=True), stages=STAGES).ids == ()
 
 
 def test_a_declined_confirmation_changes_nothing(db: Conn) -> None:
@@ -205,9 +207,9 @@ def test_a_declined_confirmation_changes_nothing(db: Conn) -> None:
         return False
 
     with pytest.raises(RepairRefused, match=r"^nothing deleted$"):
-        queue.repair(db, request("delete", stage="a"), stages=STAGES, confirm=decline)
+        queue_repair.repair(db, request("delete", stage="a"), stages=STAGES, confirm=decline)
     with pytest.raises(RepairRefused, match=r"^nothing retried$"):
-        queue.repair(db, request("retry", 3), stages=STAGES, confirm=decline)
+        queue_repair.repair(db, request("retry", 3), stages=STAGES, confirm=decline)
     assert counts == [3, 1]  # a, and 3 that failed at a
     assert len(rows(db)) == 5
     assert db.info.transaction_status is TransactionStatus.IDLE
@@ -224,9 +226,9 @@ def test_ids_that_do_not_qualify_or_cannot_exist(db: Conn) -> None:
         (request("move", HUGE, stage="a", to="b"), r"\(pending/paused/failed/timeout/running\)"),
     ):
         with pytest.raises(RepairRefused, match=message):
-            queue.repair(db, wrong, stages=STAGES)
+            queue_repair.repair(db, wrong, stages=STAGES)
         with pytest.raises(RepairRefused, match=message):
-            queue.preview(db, wrong, stages=STAGES)
+            queue_repair.preview(db, wrong, stages=STAGES)
     assert rows(db) == before
 
 
@@ -235,10 +237,10 @@ def test_running_rows_are_refused_while_a_dispatcher_runs(db: Conn, other: Conn)
     for action in ("delete", "move"):
         wrong = request(action, stage="b", to="a" if action == "move" else None)
         with pytest.raises(RepairRefused, match=r"message\(s\) 4 are running and the dispatcher"):
-            queue.preview(db, wrong, stages=STAGES)
+            queue_repair.preview(db, wrong, stages=STAGES)
         with pytest.raises(RepairRefused, match="running and the dispatcher is up"):
-            queue.repair(db, wrong, stages=STAGES)
+            queue_repair.repair(db, wrong, stages=STAGES)
     # rows that are not running are repaired as usual
-    assert queue.repair(db, request("delete", 3, 5), stages=STAGES).ids == (3, 5)
+    assert queue_repair.repair(db, request("delete", 3, 5), stages=STAGES).ids == (3, 5)
     other.execute("SELECT pg_advisory_unlock(%s)", (LOCK,))
-    assert queue.repair(db, request("delete", 4), stages=STAGES).ids == (4,)
+    assert queue_repair.repair(db, request("delete", 4), stages=STAGES).ids == (4,)

@@ -15,7 +15,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pepsi.admin.watch.live import LIVE, STOPPED, AsyncLiveListener, LiveListener, LiveSnapshot
+from pepsi.admin.watch.live import LIVE, STOPPED
+from pepsi.admin.watch.live_listener import AsyncLiveListener, LiveListener
+from pepsi.admin.watch.live_snapshot import LiveSnapshot
 from pepsi.dispatch.services.live import LIVE_HEARTBEAT, heartbeat_bound
 from tests.scenarios.conftest import REPO, Pipeline, wait_until
 

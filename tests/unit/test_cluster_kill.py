@@ -12,7 +12,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from pepsi.cluster.harness import _kill_tree
+from pepsi.cluster.processes import kill_tree
 from tests.scenarios.conftest import wait_until
 
 # A parent that forks a short-lived child every millisecond, as a postmaster under load
@@ -46,7 +46,7 @@ def kill_a_forking_tree() -> None:
     proc = subprocess.Popen([sys.executable, "-c", FORKER, marker])
     try:
         wait_until(lambda: len(survivors(marker)) >= 20, timeout=10, what="20 children")
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         # SIGKILL takes effect in a moment; a child that escaped would sleep on for 30 s
         wait_until(lambda: not survivors(marker), timeout=5, what="the whole tree to die")
     finally:

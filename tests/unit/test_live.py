@@ -9,18 +9,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from pepsi.admin.watch.live import (
-    LIVE,
-    NONE,
-    STALE,
-    STOPPED,
-    Assembler,
-    LiveRates,
-    LiveSnapshot,
-    LiveView,
-    StageLive,
-    parse,
-)
+from pepsi.admin.watch.live import LIVE, NONE, STALE, STOPPED, LiveRates, LiveView
+from pepsi.admin.watch.live_snapshot import Assembler, LiveSnapshot, StageLive, parse
 from pepsi.admin.watch.top import LIVE as LIVE_SOURCE
 from pepsi.admin.watch.top import STATS, Frame, StageRow, with_live
 from pepsi.commands.operate.top_cmd import header

@@ -1,5 +1,6 @@
-"""The outbound client's pure parts (pepsi.mail.relay.outbound): what DATA sends, and which
-recipient each reply decides, whether the replies came pipelined or one by one."""
+"""The outbound client's pure parts (pepsi.mail.relay.attempt, pepsi.mail.protocol.content):
+what DATA sends, and which recipient each reply decides, whether the replies came pipelined
+or one by one."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import re
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pepsi.mail.protocol.content import stuff
+from pepsi.mail.relay.attempt import Outgoing, Peer, recipient_results
 from pepsi.mail.relay.delivery import Result
-from pepsi.mail.relay.outbound import Outgoing, Peer, _data, _results
 
 PEER = Peer("mx.example.org", "127.0.0.1", 25)
 MESSAGE = Outgoing(
@@ -31,7 +33,7 @@ def unstuffed(wire: bytes) -> bytes:
 @given(st.lists(st.sampled_from([b"a", b".", b"..", b"\r\n", b"\n", b"\r", b" ", b"x."])))
 def test_data_is_dot_stuffed_with_crlf_line_ends(parts: list[bytes]) -> None:
     data = b"".join(parts)
-    wire = _data(data)
+    wire = stuff(data)
     body = wire[: -len(b".\r\n")]
     assert b"\r\n.\r\n" not in b"\r\n" + body  # no line is the lone dot before the end
     assert re.search(rb"\r(?!\n)|(?<!\r)\n", wire) is None  # no bare CR or LF
@@ -43,7 +45,7 @@ def test_data_is_dot_stuffed_with_crlf_line_ends(parts: list[bytes]) -> None:
 
 def test_each_recipient_ends_by_its_own_reply_and_the_data_reply() -> None:
     final = (250, b"2.0.0 queued")
-    results = _results(PEER, MESSAGE, [OK, OK, LATER, BAD, NEXT], final, dsn=True)
+    results = recipient_results(PEER, MESSAGE, [OK, OK, LATER, BAD, NEXT], final, dsn=True)
     assert results == {
         "ok@x.org": Result(250, "mx.example.org[127.0.0.1]:25: 250 2.0.0 queued", dsn_passed=True),
         "later@x.org": Result(450, "mx.example.org[127.0.0.1]:25: 450 4.2.0 later"),
@@ -61,19 +63,21 @@ def test_a_refused_mail_from_ends_every_recipient_whatever_followed() -> None:
         (503, b"x"),
     ]
     for replies in ([refused], pipelined):
-        results = _results(PEER, MESSAGE, replies, None, dsn=False)
+        results = recipient_results(PEER, MESSAGE, replies, None, dsn=False)
         assert {r.code for r in results.values()} == {451}
         assert set(results) == set(MESSAGE.recipients)
 
 
 def test_a_refused_data_ends_the_accepted_recipients() -> None:
-    results = _results(PEER, MESSAGE, [OK, OK, OK, BAD, (554, b"no valid")], None, dsn=False)
+    results = recipient_results(
+        PEER, MESSAGE, [OK, OK, OK, BAD, (554, b"no valid")], None, dsn=False
+    )
     assert [results[r].code for r in MESSAGE.recipients] == [554, 554, 550]
 
 
 def test_recipients_without_a_final_reply_have_no_result() -> None:
     # the connection went after DATA's 354, or before the last RCPT's reply
-    assert set(_results(PEER, MESSAGE, [OK, OK, LATER, OK, NEXT], None, dsn=False)) == {
+    assert set(recipient_results(PEER, MESSAGE, [OK, OK, LATER, OK, NEXT], None, dsn=False)) == {
         "later@x.org"
     }
-    assert set(_results(PEER, MESSAGE, [OK, BAD], None, dsn=False)) == {"ok@x.org"}
+    assert set(recipient_results(PEER, MESSAGE, [OK, BAD], None, dsn=False)) == {"ok@x.org"}

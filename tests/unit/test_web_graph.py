@@ -9,7 +9,7 @@ from pepsi.config import Config
 from pepsi.config.ini import parse_ini
 from pepsi.config.parse import parse_config
 from pepsi.web import graph
-from pepsi.web.overview_data import chart_bars
+from pepsi.web.overview_chart import chart_bars
 
 
 def config(text: str) -> Config:

@@ -12,34 +12,35 @@ process of its PostgreSQL, with no chance to hand over.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pepsi.cluster.layout import DATABASE, NODES, SUPERUSER, Layout, Secrets
+from pepsi.cluster.processes import (
+    POLL,
+    STARTED,
+    STOP_TIMEOUT,
+    alive,
+    kill_tree,
+    postmaster_pid,
+    read_pid,
+    stop_orphan_postmaster,
+    terminate,
+)
 from pepsi.db.queries import query
 from pepsi.errors import PepsiError
 
 START_TIMEOUT = 120.0  # seconds for a new cluster: initdb, two base backups
-POLL = 0.2  # seconds between looks at the cluster's state
-STOP_TIMEOUT = 30.0  # seconds Patroni gets to stop its PostgreSQL
-
-
-# The processes this one started: kept so they are reaped (no zombies, and no
-# "still running" warning when a Popen is collected while its server runs on).
-_STARTED: dict[int, subprocess.Popen[bytes]] = {}
 
 
 class ClusterError(PepsiError):
@@ -132,9 +133,9 @@ class Cluster:
     def start_node(self, node: str, *, wait: bool = True, timeout: float = START_TIMEOUT) -> None:
         """Start one node's Patroni (a killed node rejoins as a standby)."""
         self._require_node(node)
-        if _alive(_read_pid(self.layout.pid_file(node))):
+        if alive(read_pid(self.layout.pid_file(node))):
             return
-        _stop_orphan_postmaster(self.layout.data_dir(node))
+        stop_orphan_postmaster(self.layout.data_dir(node))
         command = [sys.executable, "-m", "patroni", str(self.layout.config_file(node))]
         self._spawn(command, self.layout.pid_file(node), self.layout.log_file(node))
         if wait:
@@ -143,22 +144,22 @@ class Cluster:
     def stop(self) -> None:
         """Stop the nodes (Patroni stops its PostgreSQL cleanly), then etcd."""
         for node in NODES:
-            _terminate(_read_pid(self.layout.pid_file(node)), STOP_TIMEOUT)
-            _stop_orphan_postmaster(self.layout.data_dir(node))
-        _terminate(_read_pid(self.layout.etcd_pid_file), STOP_TIMEOUT)
+            terminate(read_pid(self.layout.pid_file(node)), STOP_TIMEOUT)
+            stop_orphan_postmaster(self.layout.data_dir(node))
+        terminate(read_pid(self.layout.etcd_pid_file), STOP_TIMEOUT)
 
     def destroy(self) -> None:
         """Kill everything and remove the directory."""
         for node in NODES:
             self.kill(node)
-        _kill_tree(_read_pid(self.layout.etcd_pid_file))
+        kill_tree(read_pid(self.layout.etcd_pid_file))
         shutil.rmtree(self.layout.root, ignore_errors=True)
 
     def kill(self, node: str) -> None:
         """The host is gone: SIGKILL its Patroni and every PostgreSQL process."""
         self._require_node(node)
-        _kill_tree(_read_pid(self.layout.pid_file(node)))
-        _kill_tree(_postmaster_pid(self.layout.data_dir(node)))
+        kill_tree(read_pid(self.layout.pid_file(node)))
+        kill_tree(postmaster_pid(self.layout.data_dir(node)))
 
     def kill_primary(self) -> str:
         """Kill the current primary's host; its name."""
@@ -173,7 +174,7 @@ class Cluster:
     def members(self) -> list[Member]:
         """The members as the first answering node's Patroni sees them; [] if none answers."""
         for node in NODES:
-            if not _alive(_read_pid(self.layout.pid_file(node))):
+            if not alive(read_pid(self.layout.pid_file(node))):
                 continue
             answer = _get_json(self.layout.api_url(node, "cluster"))
             if answer is not None:
@@ -187,7 +188,7 @@ class Cluster:
         return None
 
     def running_nodes(self) -> list[str]:
-        return [n for n in NODES if _alive(_read_pid(self.layout.pid_file(n)))]
+        return [n for n in NODES if alive(read_pid(self.layout.pid_file(n)))]
 
     def synchronous_standby_names(self, node: str) -> str | None:
         """The node's setting as its server reports it; None if it does not answer."""
@@ -244,7 +245,7 @@ class Cluster:
             raise ClusterError(f"no node {node!r}: the nodes are {', '.join(NODES)}")
 
     def _start_etcd(self) -> None:
-        if _alive(_read_pid(self.layout.etcd_pid_file)):
+        if alive(read_pid(self.layout.etcd_pid_file)):
             return
         command = [_which("etcd"), *self.layout.etcd_args()]
         self._spawn(command, self.layout.etcd_pid_file, self.layout.etcd_log_file)
@@ -276,7 +277,7 @@ class Cluster:
                 env=env,
                 **identity,
             )
-        _STARTED[process.pid] = process
+        STARTED[process.pid] = process
         _write_private(pid_file, f"{process.pid}\n")
 
     def _ensure_database(self) -> None:
@@ -328,106 +329,3 @@ def _write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as out:
         out.write(text)
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text(encoding="utf-8").split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8")
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _postmaster_pid(data_dir: Path) -> int | None:
-    """The pid in postmaster.pid if that process is still a postgres (pids get reused)."""
-    pid = _read_pid(data_dir / "postmaster.pid")
-    try:
-        return pid if b"postgres" in Path(f"/proc/{pid}/cmdline").read_bytes() else None
-    except OSError:
-        return None
-
-
-def _children(pid: int) -> Iterator[int]:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            yield int(entry.name)
-
-
-def _kill_tree(pid: int | None) -> None:
-    """SIGKILL a process and its descendants.
-
-    Stopped first, it forks nothing between the listing of its descendants and the
-    kill: a backend the postmaster forked in that moment survived, waited forever on a
-    lock a killed process held, and kept the data directory from starting again (a
-    killed primary that never rejoined).
-    """
-    if pid is None:
-        return
-    if _alive(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGSTOP)
-        _wait_stopped(pid)
-        family = [pid]
-        index = 0
-        while index < len(family):
-            family.extend(_children(family[index]))
-            index += 1
-        for member in family:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(member, signal.SIGKILL)
-    _reap(pid)
-
-
-def _wait_stopped(pid: int, timeout: float = 2.0) -> None:
-    """Until `pid` is stopped (a signal takes effect at its next entry to the kernel)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return  # gone
-        if state in ("T", "t", "Z", "X"):
-            return
-        time.sleep(0.001)
-
-
-def _terminate(pid: int | None, timeout: float) -> None:
-    if pid is None:
-        return
-    if _alive(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(POLL)
-        if _alive(pid):
-            _kill_tree(pid)
-    _reap(pid)
-
-
-def _reap(pid: int) -> None:
-    """Collect our own child's exit status, so it is not left a zombie."""
-    process = _STARTED.pop(pid, None)
-    if process is not None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=STOP_TIMEOUT)
-
-
-def _stop_orphan_postmaster(data_dir: Path) -> None:
-    """A PostgreSQL left running without its Patroni (killed Patroni): stop it hard."""
-    _kill_tree(_postmaster_pid(data_dir))

@@ -17,8 +17,9 @@ Cut as Postfix cuts its programs, with the decisions apart from the I/O:
 The first five are pure and tested without a socket. Mail out (SPEC M-4 to
 M-6), for the stages in `pepsi.stages` (relay, dkim, srs, bounce):
 
-- `delivery.py`, `dsn.py`: what each reply makes of a message, and the
-  delivery status notifications (pure);
+- `attempt.py`, `delivery.py`, `dsn.py`: what the replies say of each
+  recipient, what each result makes of a message, and the delivery status
+  notifications (pure);
 - `srs.py`, `dkim.py`: sender rewriting and DKIM signatures;
 - `mx.py`, `outbound.py`, `slots.py`: the next hops, the SMTP client and its
   connections per destination.

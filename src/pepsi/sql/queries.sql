@@ -356,7 +356,7 @@ FROM pepsi.workqueue w LEFT JOIN pepsi.workqueue_body b USING (body_id)
 WHERE w.workqueue_id = %(id)s;
 
 -- name: dispatcher_lock_try_xact
--- A repair's test that no dispatcher runs (admin/queue.py). Held until the end
+-- A repair's test that no dispatcher runs (admin/queue_repair.py). Held until the end
 -- of the repair's transaction: no dispatcher runs, and none can start, while a
 -- repair touches running rows.
 SELECT pg_try_advisory_xact_lock(1885696115);
@@ -977,7 +977,7 @@ SELECT (SELECT count(*) FROM newest), (SELECT coalesce(max(total), 0) FROM summe
 SELECT pg_notify('pepsi_live', part) FROM unnest(%(payloads)s::text[]) AS part;
 
 -- name: live_listen
--- Readers of the live snapshot (pepsi.admin.watch.live: pepsi top, the web console).
+-- Readers of the live snapshot (pepsi.admin.watch.live_listener: pepsi top, the web console).
 LISTEN pepsi_live;
 
 -- name: workqueue_page_pending

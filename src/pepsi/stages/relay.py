@@ -18,8 +18,9 @@ from dns.resolver import Resolver
 from pepsi.config import StageConfig
 from pepsi.mail.ingress.policy import domain_of
 from pepsi.mail.relay import delivery, mx
+from pepsi.mail.relay.attempt import Outgoing, Peer
 from pepsi.mail.relay.delivery import Result
-from pepsi.mail.relay.outbound import Client, Outgoing, Peer
+from pepsi.mail.relay.outbound import Client
 from pepsi.mail.relay.slots import Slots
 from pepsi.stage import Message, Needs, PermanentError, Split, stage
 from pepsi.stages.mail_options import RelayOptions

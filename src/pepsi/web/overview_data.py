@@ -4,12 +4,12 @@ One `OverviewState` per console app (`OVERVIEW`), with two tasks started and
 stopped with the app (`lifecycle`):
 
 - the live listener: an autocommit async connection of its own LISTENs on
-  `pepsi_live` (`pepsi.admin.watch.live.AsyncLiveListener`) and feeds the state's
+  `pepsi_live` (`pepsi.admin.watch.live_listener.AsyncLiveListener`) and feeds the state's
   `LiveRates`; it reconnects after a failure, every RECONNECT_AFTER seconds;
 - (no second task for the chart: the dispatcher's statistics flushes keep
   the last day's per-minute counts in `pepsi.stage_stats_minute`, which the
-  overview reads at most every CHART_EVERY seconds, in bars of BAR_MINUTES;
-  so the chart shows the last day whenever the console started.)
+  overview reads at most every CHART_EVERY seconds, in bars of BAR_MINUTES
+  (`pepsi.web.overview_chart`); so the chart shows the last day whenever the console started.)
 
 `build` makes one `Overview`: counts per stage and status (a scan of the
 queue: redone at most as often as `pepsi top` would, `counts_due`), the
@@ -17,7 +17,8 @@ oldest pending row per stage (an index probe each), workers and in-flight
 messages (the dispatcher's pools when the console runs inside it, else its
 live snapshot, else pg_stat_activity and the running rows), rates
 (`current_rates`: the live snapshots, else the last two statistics flushes,
-as `pepsi top` takes them), warnings (back-pressure, the MVCC horizon).
+as `pepsi top` takes them), warnings (back-pressure, the MVCC horizon:
+`pepsi.web.overview_notices`).
 Results are shared for CACHE_FOR seconds between the requests of all browsers.
 """
 
@@ -27,31 +28,31 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import psycopg
 from aiohttp import web
 
-from pepsi.admin import serving
-from pepsi.admin.horizon import HORIZON_WARN_AFTER, warn_after, warning
 from pepsi.admin.watch import top
 from pepsi.admin.watch.activity import Counted, count_queue, read_sample
-from pepsi.admin.watch.live import AsyncLiveListener, LiveRates, LiveView
+from pepsi.admin.watch.live import LiveRates, LiveView
+from pepsi.admin.watch.live_listener import AsyncLiveListener
 from pepsi.config import Config
 from pepsi.config.values import is_amqp_stage
 from pepsi.db.connect import connect_async
 from pepsi.db.queries import query
 from pepsi.durations import format_duration
-from pepsi.errors import ConfigError, PepsiError, one_line
+from pepsi.errors import PepsiError, one_line
 from pepsi.web import graph
+from pepsi.web.overview_chart import Chart, chart_bars, read_chart
+from pepsi.web.overview_notices import Notice, warnings
 
 log = logging.getLogger("pepsi.web")
 
 CHART_EVERY = 15.0  # seconds between two reads of the chart's counts
-CHART_BARS, BAR_MINUTES = 96, 15  # the chart: the last 24 hours in quarters
 RECONNECT_AFTER = 5.0  # seconds before the live listener connects again
 CACHE_FOR = 2.0  # seconds an overview is shared between requests: the page's refresh
 MAX_QUEUES = 40  # AMQP queues drawn in the graph beyond those the stages name
@@ -59,38 +60,6 @@ COUNT_INTERVAL = 2.0  # how often the page refreshes: the budget of the queue's 
 LIVE_APPLICATION_NAME = "pepsi-web-live"
 
 Conn = psycopg.Connection[Any]
-ChartRow = tuple[datetime, str, int, int]  # a bar's start, stage, processed, failed
-
-
-# ---- the last day: pure ----------------------------------------------------------------
-
-
-def chart_bars(
-    rows: Iterable[ChartRow], now: datetime, bars: int = CHART_BARS, minutes: int = BAR_MINUTES
-) -> list[graph.Bar]:
-    """The `bars` bars of `minutes` up to now's, oldest first, from per-bar counts per stage
-    (bars start on multiples of `minutes` since midnight UTC, as the query bins them)."""
-    width = timedelta(minutes=minutes)
-    epoch = datetime(2000, 1, 1, tzinfo=UTC)
-    last = epoch + (now - epoch) // width * width
-    counts: dict[datetime, dict[str, tuple[int, int]]] = {}
-    for start, stage, processed, failed in rows:
-        by_stage = counts.setdefault(start, {})
-        p, f = by_stage.get(stage, (0, 0))
-        by_stage[stage] = (p + processed, f + failed)
-    out = []
-    for back in range(bars - 1, -1, -1):
-        start = last - back * width
-        by_stage = counts.get(start, {})
-        out.append(
-            graph.Bar(
-                label=start.astimezone(now.tzinfo).strftime("%H:%M"),
-                processed=sum(p for p, _ in by_stage.values()),
-                failed=sum(f for _, f in by_stage.values()),
-                by_stage=dict(by_stage),
-            )
-        )
-    return out
 
 
 # ---- what the page shows ----------------------------------------------------------------
@@ -153,12 +122,6 @@ class StageLine:
 
 
 @dataclass(frozen=True)
-class Notice:
-    kind: str  # horizon, backpressure, dispatcher, ...
-    text: str
-
-
-@dataclass(frozen=True)
 class Overview:
     now: datetime
     stages: tuple[StageLine, ...]
@@ -187,21 +150,6 @@ class DbRead:
     chart: Chart | None  # None: not read this time (CHART_EVERY)
     queues: tuple[str, ...]
     queue_total: int
-
-
-@dataclass(frozen=True)
-class Chart:
-    now: datetime  # the server's clock
-    rows: tuple[ChartRow, ...]
-
-
-def read_chart(conn: Conn) -> Chart:
-    """The last day's counts per bar and stage (`web_overview_chart`), and the server's clock."""
-    rows = conn.execute(query("web_overview_chart"), {"minutes": BAR_MINUTES}).fetchall()
-    return Chart(
-        rows[0][0],
-        tuple((start, str(stage), int(p), int(f)) for _, start, stage, p, f in rows if stage),
-    )
 
 
 def read_oldest_pending(conn: Conn, stages: Sequence[str]) -> dict[str, float]:
@@ -420,50 +368,3 @@ def _pools(dispatcher: Any) -> dict[str, tuple[int, int, int | None]] | None:
         }
     except AttributeError:  # not a dispatcher as this console knows it
         return None
-
-
-def warnings(sample: top.Sample, dispatcher: Any) -> list[Notice]:
-    out = []
-    try:
-        threshold = warn_after()
-    except ConfigError:
-        threshold = HORIZON_WARN_AFTER
-    text = warning(sample.horizon, threshold)
-    if text is not None:
-        out.append(Notice("horizon", text.removeprefix("warning: ")))
-    out.extend(backpressure(dispatcher))
-    if sample.dispatcher_pid is None and dispatcher is None:
-        out.append(Notice("dispatcher", "no dispatcher is running: nothing is processed"))
-    pending = {stage: c.get("pending", 0) for stage, c in sample.counts.items()}
-    running = sample.dispatcher_pid is not None or dispatcher is not None
-    for stage, n in serving.unserved(pending, sample.serves, running=running):
-        out.append(Notice("unserved", serving.describe(stage, n)))
-    return out
-
-
-def backpressure(dispatcher: Any) -> list[Notice]:
-    """The stages whose parallelism a connection-limit failure (status 75) halved."""
-    if dispatcher is None:
-        return []
-    try:
-        supervisor = dispatcher.supervisor
-        now = supervisor.clock()
-        caps = dict(supervisor.caps)
-        pools = supervisor.pools
-    except AttributeError:
-        return []
-    out = []
-    for stage, cap in sorted(caps.items()):
-        if cap.until <= now:
-            continue
-        pool = pools.get(stage)
-        parallelism = pool.config.parallelism if pool is not None else "?"
-        out.append(
-            Notice(
-                "backpressure",
-                f"stage {stage} is held to {cap.workers} worker(s) of {parallelism} for "
-                f"{format_duration(cap.until - now)} more: the database's connection limit "
-                "was reached (status 75)",
-            )
-        )
-    return out

@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 
-from pepsi.admin.watch.live import LiveListener
+from pepsi.admin.watch.live_listener import LiveListener
 from pepsi.config.values import is_amqp_stage
 from pepsi.db.queries import query
 

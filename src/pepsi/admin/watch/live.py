@@ -1,11 +1,11 @@
-"""Reading the dispatcher's live snapshots (`NOTIFY pepsi_live`, `pepsi.dispatch.services.live`).
+"""The rates the dispatcher's live snapshots tell (`NOTIFY pepsi_live`, `dispatch.services.live`).
 
-`LiveRates` is pure: it takes successive snapshots (`parse` one notification,
-`Assembler` joins the parts of a split one) and tells per-stage rates over
-the last WINDOW seconds, whether the dispatcher restarted (its counters
-start again: so does the history) and whether it is still heard from.
-`LiveListener` (a sync connection: `pepsi top`) and `AsyncLiveListener` (an
-asyncio application: the web console) LISTEN on a connection and feed one.
+`LiveRates` is pure: it takes successive snapshots
+(`pepsi.admin.watch.live_snapshot`: one notification parsed, the parts of a
+split one joined) and tells per-stage rates over the last WINDOW seconds,
+whether the dispatcher restarted (its counters start again: so does the
+history) and whether it is still heard from. The listeners that feed one
+(`pepsi top`, the web console) are in `pepsi.admin.watch.live_listener`.
 
 Times: a snapshot's `t` is the dispatcher's wall clock, and spaces the
 snapshots; when it arrived is the reader's own (monotonic) clock, which says
@@ -28,20 +28,12 @@ shorter.
 
 from __future__ import annotations
 
-import json
-import logging
-import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import psycopg
+from pepsi.admin.watch.live_snapshot import LiveSnapshot
 
-from pepsi.db.queries import query
-
-log = logging.getLogger("pepsi.admin")
-
-CHANNEL = "pepsi_live"  # pepsi.dispatch.services.live.CHANNEL
 WINDOW = 10.0  # seconds the rates average over
 STALE_INTERVALS = 3  # silence past the heartbeat and this many intervals: not heard from
 DISPATCH_RATED = ("claims", "claimed")
@@ -51,101 +43,6 @@ NONE = "none"  # no snapshot yet (an idle dispatcher's next one may be a heartbe
 LIVE = "live"
 STALE = "stale"  # none for too long: the dispatcher is not running, or cannot be heard
 STOPPED = "stopped"  # the dispatcher said it stopped
-
-
-@dataclass(frozen=True)
-class StageLive:
-    counters: Mapping[str, int]  # processed, failed, ... since the dispatcher's start
-    in_flight: int = 0
-    workers: int = 0
-
-
-@dataclass(frozen=True)
-class Part:
-    """One notification: a snapshot, or one part of it."""
-
-    pid: int
-    started: float  # the dispatcher's start, Unix time
-    at: float  # when taken, the dispatcher's wall clock
-    seq: int
-    quiet_since: float
-    interval: float
-    heartbeat: float  # the longest silence of an idle dispatcher
-    final: bool
-    dispatch: Mapping[str, int]
-    stages: Mapping[str, StageLive]
-    part: int = 1
-    parts: int = 1
-    dropped: int = 0  # stages left out of the snapshot (too many to send)
-    executing: tuple[int, ...] = ()  # the messages workers have started (their heads)
-    executing_complete: bool = True  # False: more were started than the snapshot names
-
-
-# A whole snapshot is a part that is the only one.
-LiveSnapshot = Part
-
-
-def parse(payload: str) -> Part:
-    """One notification's payload; ValueError if it is not one of ours."""
-    try:
-        data = json.loads(payload)
-        if not isinstance(data, dict) or data.get("v") != 1:
-            raise ValueError("not a version 1 live snapshot")
-        fields = [str(name) for name in data["fields"]]
-        stages = {}
-        for name, values in dict(data["stages"]).items():
-            row = dict(zip(fields, (int(v) for v in values), strict=True))
-            in_flight, workers = row.pop("in_flight", 0), row.pop("workers", 0)
-            stages[str(name)] = StageLive(row, in_flight, workers)
-        return Part(
-            pid=int(data["pid"]),
-            started=float(data["start"]),
-            at=float(data["t"]),
-            seq=int(data["seq"]),
-            quiet_since=float(data.get("quiet_since") or data["t"]),
-            interval=float(data["interval"]),
-            heartbeat=float(data["heartbeat"]),
-            final=bool(data.get("final", False)),
-            dispatch={str(k): int(v) for k, v in dict(data["dispatch"]).items()},
-            stages=stages,
-            part=int(data.get("part", 1)),
-            parts=int(data.get("parts", 1)),
-            dropped=int(data.get("dropped", 0)),
-            executing=tuple(int(i) for i in data.get("executing", ())),
-            executing_complete=bool(data.get("executing_complete", True)),
-        )
-    except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not a live snapshot: {exc}") from None
-
-
-class Assembler:
-    """Joins the parts of a split snapshot; a part of another snapshot drops the rest."""
-
-    def __init__(self) -> None:
-        self._key: tuple[int, float, int] | None = None
-        self._parts: dict[int, Part] = {}
-
-    def add(self, part: Part) -> LiveSnapshot | None:
-        """The whole snapshot once its last part came; None until then."""
-        if part.parts <= 1:
-            self._key, self._parts = None, {}
-            return part
-        key = (part.pid, part.started, part.seq)
-        if key != self._key:
-            self._key, self._parts = key, {}
-        self._parts[part.part] = part
-        if len(self._parts) < part.parts:
-            return None
-        stages: dict[str, StageLive] = {}
-        for n in sorted(self._parts):
-            stages.update(self._parts[n].stages)
-        self._key, self._parts = None, {}
-        return Part(
-            pid=part.pid, started=part.started, at=part.at, seq=part.seq,
-            quiet_since=part.quiet_since, interval=part.interval, heartbeat=part.heartbeat,
-            final=part.final, dispatch=part.dispatch, stages=stages, dropped=part.dropped,
-            executing=part.executing, executing_complete=part.executing_complete,
-        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -332,106 +229,3 @@ class LiveRates:
         if end - first.t < interval / 2:
             return None  # too short to tell a rate
         return first.t, end, (first.counters, points[-1].counters)
-
-
-# ---- listening -------------------------------------------------------------------------
-
-
-class _Feed:
-    """Notifications in, snapshots out: the part both listeners share."""
-
-    def __init__(self, rates: LiveRates | None, clock: Callable[[], float]) -> None:
-        self.rates = LiveRates() if rates is None else rates
-        self.clock = clock
-        self.assembler = Assembler()
-
-    def notify(self, channel: str, payload: str) -> LiveSnapshot | None:
-        if channel != CHANNEL:
-            return None
-        try:
-            part = parse(payload)
-        except ValueError as exc:
-            log.debug("ignoring a notification on %s: %s", CHANNEL, exc)
-            return None
-        snapshot = self.assembler.add(part)
-        if snapshot is not None:
-            self.rates.feed(snapshot, self.clock())
-        return snapshot
-
-    def view(self) -> LiveView:
-        return self.rates.view(self.clock())
-
-
-class LiveListener:
-    """LISTEN on a sync (autocommit) connection; notifications feed `rates`.
-
-    Notifications that arrive while the connection runs other queries are kept
-    by psycopg and read by the next `snapshots`/`wait`, so one connection can
-    serve both the reads and the listening (as `pepsi top` does).
-    """
-
-    def __init__(
-        self,
-        conn: psycopg.Connection[Any],
-        rates: LiveRates | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.conn = conn
-        self._feed = _Feed(rates, clock)
-
-    @property
-    def rates(self) -> LiveRates:
-        return self._feed.rates
-
-    def start(self) -> None:
-        self.conn.execute(query("live_listen"))
-
-    def snapshots(self, timeout: float) -> Iterator[LiveSnapshot]:
-        """The snapshots that come within `timeout` seconds (0: those already here)."""
-        for notify in self.conn.notifies(timeout=max(0.0, timeout)):
-            snapshot = self._feed.notify(notify.channel, notify.payload)
-            if snapshot is not None:
-                yield snapshot
-
-    def wait(self, timeout: float) -> None:
-        """Spend `timeout` seconds reading notifications (instead of sleeping)."""
-        for _ in self.snapshots(timeout):
-            pass
-
-    def view(self) -> LiveView:
-        return self._feed.view()
-
-
-class AsyncLiveListener:
-    """The same on an asyncio connection: `await start()`, then iterate `snapshots()` in a
-    task (it runs until cancelled or the connection fails); `view()` at any time."""
-
-    def __init__(
-        self,
-        conn: psycopg.AsyncConnection[Any],
-        rates: LiveRates | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.conn = conn
-        self._feed = _Feed(rates, clock)
-
-    @property
-    def rates(self) -> LiveRates:
-        return self._feed.rates
-
-    async def start(self) -> None:
-        await self.conn.execute(query("live_listen"))
-
-    async def snapshots(self, timeout: float | None = None) -> AsyncIterator[LiveSnapshot]:
-        async for notify in self.conn.notifies(timeout=timeout):
-            snapshot = self._feed.notify(notify.channel, notify.payload)
-            if snapshot is not None:
-                yield snapshot
-
-    async def run(self) -> None:
-        """Feed the rates until cancelled."""
-        async for _ in self.snapshots():
-            pass
-
-    def view(self) -> LiveView:
-        return self._feed.view()

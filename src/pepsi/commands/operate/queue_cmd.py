@@ -27,7 +27,7 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
-from pepsi.admin import horizon, queue, serving
+from pepsi.admin import horizon, queue, queue_repair, serving
 from pepsi.admin.connection import open_current
 from pepsi.admin.watch import claimed
 from pepsi.commands import Context, summary
@@ -208,18 +208,18 @@ def run_repair(args: argparse.Namespace, ctx: Context) -> int:
     # The domain refuses this too; here it comes first, in the command line's words.
     if not args.ids and not args.all and not args.stage:
         raise RepairRefused(f"say which messages: IDs, --stage STAGE or --all ({name} refused)")
-    selection = queue.Selection(
+    selection = queue_repair.Selection(
         ids=tuple(args.ids),
         stage=args.stage,
         failure_class=getattr(args, "failure_class", None),
         every=args.all,
     )
-    request = queue.RepairRequest(name, selection, to=getattr(args, "to", None))
+    request = queue_repair.RepairRequest(name, selection, to=getattr(args, "to", None))
     stages = ctx.config().stages
-    queue.check(request, stages)  # before connecting, as the mistake is the command line's
+    queue_repair.check(request, stages)  # before connecting, as the mistake is the command line's
     confirm = _confirm_delete if name == "delete" and not args.yes else None
     with open_current(ctx.config()) as conn:
-        done = queue.repair(conn, request, stages=stages, confirm=confirm)
+        done = queue_repair.repair(conn, request, stages=stages, confirm=confirm)
     changed = list(done.ids)
     if args.json:
         _emit({"action": name, "ids": changed})
@@ -228,7 +228,7 @@ def run_repair(args: argparse.Namespace, ctx: Context) -> int:
     return EX_OK
 
 
-def _confirm_delete(plan: queue.RepairPlan) -> bool:
+def _confirm_delete(plan: queue_repair.RepairPlan) -> bool:
     """Asked inside the repair's transaction, with the count it would delete."""
     if not sys.stdin.isatty():
         raise RepairRefused(f"delete {plan.count} message(s)? add --yes to confirm")

@@ -31,7 +31,8 @@ import psycopg
 
 from pepsi.admin import horizon, serving
 from pepsi.admin.watch import activity
-from pepsi.admin.watch.live import WINDOW, LiveListener
+from pepsi.admin.watch.live import WINDOW
+from pepsi.admin.watch.live_listener import LiveListener
 from pepsi.admin.watch.top import LIVE, RATED, RECENT, Frame, with_live
 from pepsi.commands import Context, summary
 from pepsi.durations import format_duration, parse_duration

@@ -5,7 +5,8 @@ The DATA stream ends only at <CR><LF>.<CR><LF> (RFC 5321 §4.1.1.4). A bare
 message into two (SMTP smuggling); once the end is found, the lines are
 un-stuffed (§4.5.2) and every bare <LF> becomes <CR><LF>, as Postfix's
 `smtpd_forbid_bare_newline = normalize` does, so that no later hop can read
-the stored message differently.
+the stored message differently. `stuff` is the way back, for the relay:
+the stored message as DATA sends it to the next hop.
 
 A stored message is its header block (each field with its <CR><LF>) and its
 body (what follows the empty line): `header + b"\\r\\n" + body` is the message.
@@ -82,6 +83,18 @@ def unstuff(data: bytes) -> bytes:
     """Remove the period that starts a stuffed line (RFC 5321 §4.5.2)."""
     data = data.replace(b"\r\n.", b"\r\n")
     return data[1:] if data.startswith(b".") else data
+
+
+def stuff(data: bytes) -> bytes:
+    """The message as DATA sends it: CRLF line ends, dot-stuffed, with the final dot."""
+    if data.count(b"\n") != data.count(b"\r\n") or data.count(b"\r") != data.count(b"\r\n"):
+        data = re.sub(rb"\r\n|\n|\r", b"\r\n", data)  # a bare CR or LF: as smtplib does
+    if data.startswith(b"."):
+        data = b"." + data
+    data = data.replace(b"\r\n.", b"\r\n..")
+    if data and not data.endswith(b"\r\n"):
+        data += b"\r\n"
+    return data + b".\r\n"
 
 
 def split_message(message: bytes) -> tuple[bytes, bytes]:

@@ -15,55 +15,32 @@ hop has the extension, with BODY=8BITMIME as it came in, and with SMTPUTF8
 when an address needs it. With PIPELINING (RFC 2920), MAIL, the RCPTs and
 DATA go in one write and their replies are read together: two round trips a
 message instead of three plus one per recipient. Built on the standard
-library's smtplib (its connection, TLS, AUTH and reply reading).
+library's smtplib (its connection, TLS, AUTH and reply reading). What the
+replies say of each recipient is read apart (`pepsi.mail.relay.attempt`),
+as is what DATA sends (`pepsi.mail.protocol.content.stuff`): both pure.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import re
 import smtplib
 import socket
 import ssl
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pepsi.mail.protocol.content import stuff
 from pepsi.mail.protocol.envelope import xtext_encode
+from pepsi.mail.relay.attempt import Outgoing, Peer, recipient_results, reply_text
 from pepsi.mail.relay.delivery import Result
 from pepsi.mail.relay.slots import Slots
 
 IDLE_LIMIT = 30.0  # a cached connection unused this long is closed, not reused
 COMMAND_TIMEOUT = 300.0  # RFC 5321 §4.5.3.2's shortest: a reply must come within
-
-
-@dataclass(frozen=True)
-class Peer:
-    """One host to try, and how to speak to it."""
-
-    name: str  # its host name: for TLS and the logs
-    address: str  # what to connect to (an IP address, or the name)
-    port: int
-    tls: str = "may"  # none, may, starttls, implicit
-    ca_file: Path | None = None  # starttls/implicit: verify against this, else the system's
-    login: tuple[str, str] | None = None  # AUTH user and secret
-
-    def __str__(self) -> str:
-        where = self.name if self.name == self.address else f"{self.name}[{self.address}]"
-        return f"{where}:{self.port}"
-
-
-@dataclass(frozen=True)
-class Outgoing:
-    """What one attempt sends."""
-
-    sender: str  # '' for the null sender
-    recipients: tuple[str, ...]
-    data: bytes  # the whole message: header block, empty line, body
-    smtp: Mapping[str, Any] = field(default_factory=dict)  # properties.smtp
 
 
 class Unreachable(Exception):
@@ -157,7 +134,9 @@ class Client:
                     peer.address, peer.port, local_hostname=self.helo, timeout=self.connect_timeout
                 )
         except smtplib.SMTPConnectError as exc:
-            raise Unreachable(f"{peer}: greeting {exc.smtp_code} {_text(exc.smtp_error)}") from None
+            raise Unreachable(
+                f"{peer}: greeting {exc.smtp_code} {reply_text(exc.smtp_error)}"
+            ) from None
         except (OSError, smtplib.SMTPException) as exc:
             raise Unreachable(f"{peer}: {_oserror(exc)}") from None
         try:
@@ -178,7 +157,7 @@ class Client:
             raise Unreachable(f"{peer}: TLS failed: {exc}") from None
         except smtplib.SMTPAuthenticationError as exc:
             _quit(smtp)
-            refused = f"{exc.smtp_code} {_text(exc.smtp_error)}"
+            refused = f"{exc.smtp_code} {reply_text(exc.smtp_error)}"
             raise Unreachable(f"{peer}: AUTH refused: {refused}") from None
         except (OSError, smtplib.SMTPException) as exc:
             _quit(smtp)
@@ -218,7 +197,7 @@ class Client:
                     if replies[0][0] != 250:
                         break
             if replies[-1][0] == 354:  # DATA may go ahead (if nobody was accepted: empty)
-                smtp.send(_data(message.data) if _accepted(message, replies) else b".\r\n")
+                smtp.send(stuff(message.data) if _accepted(message, replies) else b".\r\n")
                 final = smtp.getreply()
             if final is None or final[0] != 250:
                 smtp.rset()
@@ -229,10 +208,10 @@ class Client:
             # again. After the data was sent, that may deliver twice (SMTP cannot tell).
             self._drop(peer)
             lost = Result(0, f"{peer}: connection lost: {_oserror(exc)}")
-            ended = _results(peer, message, replies, final, dsn=dsn)
+            ended = recipient_results(peer, message, replies, final, dsn=dsn)
             return {r: ended.get(r, lost) for r in message.recipients}
         session.used = time.monotonic()
-        return _results(peer, message, replies, final, dsn=dsn)
+        return recipient_results(peer, message, replies, final, dsn=dsn)
 
 
 class _Stale(Exception):
@@ -244,7 +223,7 @@ def _ehlo(smtp: smtplib.SMTP, peer: Peer) -> None:
     if not 200 <= code < 300:
         code, reply = smtp.helo()
         if not 200 <= code < 300:
-            raise Unreachable(f"{peer}: HELO refused: {code} {_text(reply)}", code)
+            raise Unreachable(f"{peer}: HELO refused: {code} {reply_text(reply)}", code)
 
 
 def _context(peer: Peer, *, verify: bool) -> ssl.SSLContext:
@@ -310,49 +289,6 @@ def _accepted(message: Outgoing, replies: list[tuple[int, bytes]]) -> bool:
     return any(code in (250, 251) for code, _ in replies[1 : 1 + len(message.recipients)])
 
 
-def _data(data: bytes) -> bytes:
-    """The message as DATA sends it: CRLF line ends, dot-stuffed, with the final dot."""
-    if data.count(b"\n") != data.count(b"\r\n") or data.count(b"\r") != data.count(b"\r\n"):
-        data = re.sub(rb"\r\n|\n|\r", b"\r\n", data)  # a bare CR or LF: as smtplib does
-    if data.startswith(b"."):
-        data = b"." + data
-    data = data.replace(b"\r\n.", b"\r\n..")
-    if data and not data.endswith(b"\r\n"):
-        data += b"\r\n"
-    return data + b".\r\n"
-
-
-def _results(
-    peer: Peer,
-    message: Outgoing,
-    replies: list[tuple[int, bytes]],
-    final: tuple[int, bytes] | None,
-    *,
-    dsn: bool,
-) -> dict[str, Result]:
-    """A result for each recipient whose fate the replies tell: `replies` are MAIL's, then
-    the RCPTs' and DATA's as far as they came; `final` is the reply to the data."""
-    code, text = replies[0]
-    if code != 250:
-        return {r: _result(peer, code, text) for r in message.recipients}
-    results: dict[str, Result] = {}
-    accepted = []
-    for recipient, (code, text) in zip(message.recipients, replies[1:], strict=False):
-        if code in (250, 251):
-            accepted.append(recipient)
-        else:
-            results[recipient] = _result(peer, code, text)
-    data = replies[1 + len(message.recipients) :]
-    if data and data[0][0] != 354:  # DATA refused
-        results.update((r, _result(peer, *data[0])) for r in accepted)
-    elif final is not None:
-        rcpt = message.smtp.get("rcpt", {})
-        for recipient in accepted:
-            asked = dsn and bool(rcpt.get(recipient, {}).get("notify"))
-            results[recipient] = _result(peer, *final, dsn_passed=asked)
-    return results
-
-
 def _needs_utf8(message: Outgoing) -> bool:
     """An address beyond ASCII can only go with SMTPUTF8 (RFC 6531), flagged or not."""
     return not (message.sender.isascii() and all(r.isascii() for r in message.recipients))
@@ -362,15 +298,6 @@ def _utf8_problem(smtp: smtplib.SMTP, message: Outgoing) -> str | None:
     if _needs_utf8(message) and not smtp.has_extn("smtputf8"):
         return "the next hop does not take SMTPUTF8, which this message's addresses need"
     return None
-
-
-def _result(peer: Peer, code: int, reply: bytes | str, *, dsn_passed: bool = False) -> Result:
-    return Result(code, f"{peer}: {code} {_text(reply)}", dsn_passed=dsn_passed)
-
-
-def _text(reply: bytes | str) -> str:
-    text = reply.decode("utf-8", "replace") if isinstance(reply, bytes) else str(reply)
-    return " ".join(text.split())
 
 
 def _oserror(exc: BaseException) -> str:

@@ -1,8 +1,8 @@
 """Repairs from the console, in two steps as `pepsi queue` does them.
 
-`POST /repair/preview` reads which rows a repair would touch (`admin.queue.preview`)
+`POST /repair/preview` reads which rows a repair would touch (`admin.queue_repair.preview`)
 and shows a confirmation form carrying that count; `POST /repair/do` runs it
-(`admin.queue.repair`, one transaction) only if the count is still the same, then
+(`admin.queue_repair.repair`, one transaction) only if the count is still the same, then
 redirects back with `?done=...`. Resume, retry, move and delete; single messages
 (`ids`) or a stage's rows (`scope=all`, or `scope=filter` with the stage page's
 filters). Every repair is logged on `pepsi.web` with who, from where, what and how many.
@@ -18,7 +18,7 @@ from aiohttp import web
 from multidict import MultiDictProxy
 from yarl import URL
 
-from pepsi.admin import queue
+from pepsi.admin import queue_repair
 from pepsi.errors import NoSuchMessage, QueueError, RepairRefused, UnknownStage
 from pepsi.web import security
 from pepsi.web.app import Console, console_of
@@ -34,7 +34,7 @@ FIELDS = ("action", "ids", "stage", "scope", "status", "sender", "failure_class"
 class Asked:
     """A repair as the form asks for it: its request, and the form's own values."""
 
-    request: queue.RepairRequest
+    request: queue_repair.RepairRequest
     fields: dict[str, str]  # carried on to the confirmation form
     back: str
 
@@ -53,20 +53,22 @@ def asked(form: MultiDictProxy[Any]) -> Asked:
     """The repair a form asks for; QueueError when it makes no sense."""
     fields = {key: _text(form, key) for key in FIELDS}
     action: Any = fields["action"]
-    if action not in queue.REPAIRS:
-        raise RepairRefused(f"no repair named {action!r} (one of {', '.join(queue.REPAIRS)})")
+    if action not in queue_repair.REPAIRS:
+        raise RepairRefused(
+            f"no repair named {action!r} (one of {', '.join(queue_repair.REPAIRS)})"
+        )
     to = fields["to"] or None if action == "move" else None
     if fields["ids"]:
         try:
             ids = tuple(int(part) for part in fields["ids"].replace(",", " ").split())
         except ValueError:
             raise QueueError(f"ids must be whole numbers, got {fields['ids']!r}") from None
-        selection = queue.Selection(ids=ids)
+        selection = queue_repair.Selection(ids=ids)
     elif fields["stage"] and fields["scope"] == "all":
-        selection = queue.Selection(stage=fields["stage"])
+        selection = queue_repair.Selection(stage=fields["stage"])
     elif fields["stage"] and fields["scope"] == "filter":
         status: Any = fields["status"] or None
-        selection = queue.Selection(
+        selection = queue_repair.Selection(
             stage=fields["stage"],
             failure_class=fields["failure_class"] or None,
             status=status,
@@ -76,7 +78,7 @@ def asked(form: MultiDictProxy[Any]) -> Asked:
     else:
         raise RepairRefused(f"say which messages: ids, or a stage's rows ({action} refused)")
     return Asked(
-        queue.RepairRequest(action, selection, to=to), fields, safe_back(_text(form, "back"))
+        queue_repair.RepairRequest(action, selection, to=to), fields, safe_back(_text(form, "back"))
     )
 
 
@@ -97,7 +99,7 @@ def refused(
     return response
 
 
-def describe(request: queue.RepairRequest) -> str:
+def describe(request: queue_repair.RepairRequest) -> str:
     chosen = request.selection
     if chosen.ids:
         what = "message " + ", ".join(map(str, chosen.ids))
@@ -128,7 +130,7 @@ async def preview(request: web.Request) -> web.StreamResponse:
     back = safe_back(_text(form, "back"))
     try:
         wanted = asked(form)
-        plan = await console.db(queue.preview, wanted.request, stages=console.config.stages)
+        plan = await console.db(queue_repair.preview, wanted.request, stages=console.config.stages)
     except QueueError as e:
         return refused(console, request, e, back)
     return console.render(
@@ -159,13 +161,13 @@ async def do(request: web.Request) -> web.StreamResponse:
         return refused(console, request, e, back)
     seen: list[int] = []
 
-    def confirm(plan: queue.RepairPlan) -> bool:
+    def confirm(plan: queue_repair.RepairPlan) -> bool:
         seen.append(plan.count)
         return plan.count == expected
 
     try:
         done = await console.db(
-            queue.repair, wanted.request, stages=console.config.stages, confirm=confirm
+            queue_repair.repair, wanted.request, stages=console.config.stages, confirm=confirm
         )
     except QueueError as error:
         if not (seen and seen[0] != expected):
