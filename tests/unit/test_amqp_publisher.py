@@ -18,7 +18,7 @@ from pepsi.amqp.broker.broker import (
     routing_json,
 )
 from pepsi.amqp.broker.publisher import Confirm, Item, group_confirms, lean_params, split
-from pepsi.amqp.wire.framing import decode_properties
+from pepsi.amqp.wire.properties import decode_properties
 from pepsi.amqp.wire.replies import ChannelError
 from pepsi.publishing.message import Row
 

@@ -61,7 +61,8 @@ from pepsi.amqp.model.routing import (
     check_new_binding,
 )
 from pepsi.amqp.session.connection import Channel, ChannelHandler, Connection, close_for
-from pepsi.amqp.wire import framing, replies
+from pepsi.amqp.wire import methods, replies, tables, writer
+from pepsi.amqp.wire.frames import Content
 from pepsi.amqp.wire.replies import (
     ACCESS_REFUSED,
     INTERNAL_ERROR,
@@ -209,12 +210,12 @@ class Properties:
     priority: int = 0  # 0 as well when absent
 
     def decoded_headers(self) -> dict[str, Any] | None:
-        return None if self.headers is None else framing.decode_table(self.headers)
+        return None if self.headers is None else tables.decode_table(self.headers)
 
 
 def read_properties(raw: bytes) -> Properties:
     """The fields the broker uses, read from property octets whose structure the frame
-    reader has checked (`framing`); ValueError if they are malformed after all."""
+    reader has checked (`reader`); ValueError if they are malformed after all."""
     try:
         flags = int.from_bytes(raw[:2], "big")
         pos = 2
@@ -418,7 +419,7 @@ class BrokerChannel(ConsumingChannel):
         self.last_queue: str | None = None  # queue.* with an empty name mean this one
         self.confirms: _Confirms | None = None
         self.tx: list[Item] | None = None  # tx mode: publishes held until tx.commit
-        self.tx_returns: list[framing.Content] = []
+        self.tx_returns: list[Content] = []
         self.open = True
         self._settled: list[tuple[int, bool]] = []
         self._writable: set[str] = set()  # exchanges this user may publish to
@@ -597,7 +598,7 @@ class BrokerChannel(ConsumingChannel):
                 consumers = deliverer.registry.count(stage)
                 count += deliverer.ready_count(stage)  # read ahead or loading: still ready
             self._reply(
-                framing.build_method(
+                methods.build_method(
                     commands.Queue.DeclareOk,
                     queue=queue,
                     message_count=count,
@@ -694,7 +695,7 @@ class BrokerChannel(ConsumingChannel):
             loading = deliverer.purge_loading(queue.stage)  # ... and those being loaded
             count = await self.catalogue.purge_queue(queue.stage) + len(ahead) + loading
         if not method.nowait:
-            self._reply(framing.build_method(commands.Queue.PurgeOk, message_count=count))
+            self._reply(methods.build_method(commands.Queue.PurgeOk, message_count=count))
 
     async def queue_delete(self, method: commands.Queue.Delete) -> None:
         with self._method(method):
@@ -721,7 +722,7 @@ class BrokerChannel(ConsumingChannel):
                     )
                 count = await self.broker.delete_queue(self.vhost, name)
         if not method.nowait:
-            self._reply(framing.build_method(commands.Queue.DeleteOk, message_count=count))
+            self._reply(methods.build_method(commands.Queue.DeleteOk, message_count=count))
 
     # ---- publishing ----------------------------------------------------------------------
 
@@ -777,13 +778,13 @@ class BrokerChannel(ConsumingChannel):
         self.tx, self.tx_returns = [], []
         self._reply(commands.Tx.RollbackOk())
 
-    def _return(self, content: framing.Content) -> None:
+    def _return(self, content: Content) -> None:
         method = content.method
         assert isinstance(method, commands.Basic.Publish)
         if not self.open:
             return
         self.channel.send_content(
-            framing.build_method(
+            methods.build_method(
                 commands.Basic.Return,
                 reply_code=replies.NO_ROUTE,
                 reply_text="NO_ROUTE",
@@ -794,7 +795,7 @@ class BrokerChannel(ConsumingChannel):
             content.body,
         )
 
-    async def basic_publish(self, content: framing.Content) -> None:
+    async def basic_publish(self, content: Content) -> None:
         method = content.method
         assert isinstance(method, commands.Basic.Publish)
         try:  # not a context manager: this is the path of every publish
@@ -823,7 +824,7 @@ class BrokerChannel(ConsumingChannel):
             _as_publish_error(error)
             raise
 
-    def publish_now(self, content: framing.Content) -> bool:
+    def publish_now(self, content: Content) -> bool:
         """`basic_publish` without awaiting anything, when nothing needs to be awaited
         (the vhost's catalogue is in memory, the batcher has room); False otherwise,
         before anything is done: then the connection awaits `basic_publish`."""
@@ -853,7 +854,7 @@ class BrokerChannel(ConsumingChannel):
             self._writable.add(exchange)  # the connection's permission does not change
 
     def _publish_unit(
-        self, content: framing.Content, method: commands.Basic.Publish, view: VhostView
+        self, content: Content, method: commands.Basic.Publish, view: VhostView
     ) -> Unit | None:
         """Route the publish; the unit to submit, or None (in a transaction, or nothing
         to write and no confirm to send)."""
@@ -869,9 +870,7 @@ class BrokerChannel(ConsumingChannel):
             return Unit([item], self._unconfirmed)
         return None
 
-    def _route(
-        self, content: framing.Content, method: commands.Basic.Publish, view: VhostView
-    ) -> Item:
+    def _route(self, content: Content, method: commands.Basic.Publish, view: VhostView) -> Item:
         exchange, routing_key = str(method.exchange), str(method.routing_key)
         raw = content.raw_properties
         last = self._last_rows
@@ -927,7 +926,7 @@ class BrokerChannel(ConsumingChannel):
         return route
 
     def _properties(
-        self, content: framing.Content, view: VhostView
+        self, content: Content, view: VhostView
     ) -> tuple[Properties, dict[str, Any] | None, dt.datetime | None]:
         """The properties, the headers if routing needs them, and when the message expires."""
         raw = content.raw_properties
@@ -966,7 +965,7 @@ class BrokerChannel(ConsumingChannel):
 
     def _item(
         self,
-        content: framing.Content,
+        content: Content,
         view: VhostView,
         route: Route,
         props: Properties,
@@ -1069,7 +1068,7 @@ class BrokerChannel(ConsumingChannel):
             if not confirm.ok:
                 fields["requeue"] = False
             frames.append(
-                framing.encode_method(self.channel.number, framing.build_method(cls, **fields))
+                writer.encode_method(self.channel.number, methods.build_method(cls, **fields))
             )
         if frames:  # one transport write for the whole flush
             self.channel.connection.send(b"".join(frames))

@@ -36,7 +36,8 @@ from pamqp import commands
 from pepsi.amqp.broker.catalogue import Queue
 from pepsi.amqp.model.arguments import QUORUM
 from pepsi.amqp.model.consumers import ChannelBook, Consumer, Delivery, Registry
-from pepsi.amqp.wire import framing, headers
+from pepsi.amqp.wire import dead_letters, headers
+from pepsi.amqp.wire.properties import decode_properties, encode_properties
 from pepsi.db.backoff import Backoff
 from pepsi.db.connect import connect_async
 from pepsi.db.queries import query
@@ -134,7 +135,7 @@ def fetched_row(row: Sequence[Any], queue_name: str, quorum: bool = True) -> Fet
         if count and quorum:
             entries["x-delivery-count"] = count
         if deaths:
-            entries.update(headers.death_headers(deaths, first))
+            entries.update(dead_letters.death_headers(deaths, first))
             raw = headers.without_expiration(raw)  # RabbitMQ: in x-death's original-expiration
         raw = headers.set_headers(raw, entries)
     return Fetched(
@@ -164,7 +165,7 @@ def pipeline_properties(
     }
     if header is not None:
         table["x-pepsi-header"] = bytes(header)
-    raw = framing.encode_properties(
+    raw = encode_properties(
         commands.Basic.Properties(
             content_type=_short(content_type),
             message_id=_short(message_id),
@@ -890,12 +891,14 @@ class Deliverer:
         deaths = list(state.get("x_death") or [])
         if not deaths and header is not None:
             with contextlib.suppress(ValueError):
-                deaths = headers.deaths_from_header(headers.header_entry(bytes(header), "x-death"))
+                deaths = dead_letters.deaths_from_header(
+                    headers.header_entry(bytes(header), "x-death")
+                )
         expiration = None
         if header is not None:
             with contextlib.suppress(ValueError):
                 expiration = headers.expiration(bytes(header))
-        deaths = headers.record_death(
+        deaths = dead_letters.record_death(
             deaths,
             queue=queue.name if queue is not None else stage,
             reason=reason,
@@ -915,7 +918,7 @@ class Deliverer:
             decoded = None
             if header is not None:
                 with contextlib.suppress(ValueError):
-                    decoded = framing.decode_properties(bytes(header)).headers
+                    decoded = decode_properties(bytes(header)).headers
             stages, ttls = await self.dead_letter_route(
                 stage, args.dead_letter_exchange, keys, decoded
             )
