@@ -17,7 +17,7 @@ from pamqp import commands
 from pepsi.amqp.broker.broker import plain_stages
 from pepsi.amqp.broker.catalogue import Queue, VhostView
 from pepsi.amqp.broker.publisher import Item, Unit
-from pepsi.amqp.model.arguments import QueueDeclaration
+from pepsi.amqp.model.queues import QueueDeclaration
 from pepsi.amqp.wire import methods, properties, replies, tables, writer
 from pepsi.amqp.wire.assembler import ContentAssembler
 from pepsi.amqp.wire.frames import BodyFrame, Content, MethodFrame, RawContentHeader

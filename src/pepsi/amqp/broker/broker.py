@@ -40,17 +40,9 @@ from pepsi.amqp.broker.consuming import ConsumingChannel, stage_queue_text
 from pepsi.amqp.broker.delivery import Deliverer
 from pepsi.amqp.broker.expiry import Expiry, ttl_expires
 from pepsi.amqp.broker.publisher import Batcher, Item, Unit, group_confirms
-from pepsi.amqp.model.arguments import (
-    MAX_EXPIRY_MS,
-    QueueDeclaration,
-    check_queue_properties,
-    check_queue_redeclare,
-    declare_queue_name,
-    parse_queue_arguments,
-    resource,
-)
+from pepsi.amqp.model.arguments import MAX_EXPIRY_MS, parse_queue_arguments
 from pepsi.amqp.model.consumers import Delivery
-from pepsi.amqp.model.routing import (
+from pepsi.amqp.model.exchanges import (
     EXCHANGE,
     QUEUE,
     Binding,
@@ -58,8 +50,15 @@ from pepsi.amqp.model.routing import (
     check_binding,
     check_exchange_declare,
     check_exchange_delete,
-    check_new_binding,
 )
+from pepsi.amqp.model.queues import (
+    QueueDeclaration,
+    check_queue_properties,
+    check_queue_redeclare,
+    declare_queue_name,
+)
+from pepsi.amqp.model.topics import check_new_binding
+from pepsi.amqp.model.values import resource
 from pepsi.amqp.session.connection import Channel, ChannelHandler, Connection, close_for
 from pepsi.amqp.wire import methods, replies, tables, writer
 from pepsi.amqp.wire.frames import Content

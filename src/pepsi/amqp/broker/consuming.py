@@ -17,9 +17,9 @@ from pamqp import base, commands
 from pepsi.amqp.auth.permissions import Access
 from pepsi.amqp.broker.catalogue import Queue, VhostView
 from pepsi.amqp.broker.delivery import Fetched
-from pepsi.amqp.model.arguments import resource
 from pepsi.amqp.model.consumers import ChannelBook, Consumer, Delivery, UnknownTag
-from pepsi.amqp.model.routing import QUEUE
+from pepsi.amqp.model.exchanges import QUEUE
+from pepsi.amqp.model.values import resource
 from pepsi.amqp.session.connection import Channel, ChannelHandler
 from pepsi.amqp.wire import methods, writer
 from pepsi.amqp.wire.replies import (
