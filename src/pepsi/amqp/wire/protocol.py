@@ -1,12 +1,12 @@
 """The AMQP 0-9-1 wire's fixed numbers: protocol headers, frame types, the frame layout.
 
 Shared by the reader and the writer (and the server's frame_max negotiation); values
-only, no logic.
+only, no logic (the reader and the writer define the frame layout's `struct`s
+themselves, see there).
 """
 
 from __future__ import annotations
 
-import struct
 from typing import Final
 
 PROTOCOL_HEADER: Final = b"AMQP\x00\x00\x09\x01"
@@ -24,8 +24,3 @@ FRAME_END: Final = 0xCE
 FRAME_OVERHEAD: Final = 8  # 7 header octets (type, channel, size) + the frame-end octet
 FRAME_MIN_SIZE: Final = 4096  # the spec's and RabbitMQ's smallest frame_max
 BASIC_CLASS_ID: Final = 60  # the only class with content in 0-9-1
-
-# A frame's header (type, channel, payload size), and a content header's fixed fields
-# (class, weight, body size).
-_FRAME_HEAD = struct.Struct(">BHI")
-_CONTENT_HEAD = struct.Struct(">HHQ")

@@ -30,8 +30,6 @@ from pepsi.amqp.wire.frames import (
 from pepsi.amqp.wire.methods import _ACK, _ACK_INDEX, _PUBLISH_INDEX, _decode_method, _fast_publish
 from pepsi.amqp.wire.properties import _check_properties
 from pepsi.amqp.wire.protocol import (
-    _CONTENT_HEAD,
-    _FRAME_HEAD,
     BASIC_CLASS_ID,
     FRAME_BODY,
     FRAME_END,
@@ -52,6 +50,13 @@ from pepsi.amqp.wire.replies import (
     UnexpectedFrame,
 )
 from pepsi.amqp.wire.tables import _Malformed
+
+# A frame's header (type, channel, payload size) and a content header's fixed fields
+# (class, weight, body size). Defined here and in the writer, not imported: CPython 3.11
+# compiles a method call on an imported name (`_FRAME_HEAD.unpack_from(...)`) without
+# LOAD_METHOD, a bound method made per call on the hot path.
+_FRAME_HEAD = struct.Struct(">BHI")
+_CONTENT_HEAD = struct.Struct(">HHQ")
 
 PUBLISH_CACHE: Final = 64  # decoded basic.publish methods a reader keeps
 _METHOD_HEAD = struct.Struct(">BHII")  # frame type, channel, size, class and method ids

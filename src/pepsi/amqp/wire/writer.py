@@ -15,8 +15,6 @@ from pamqp import base, commands
 
 from pepsi.amqp.wire.methods import encode_method_payload
 from pepsi.amqp.wire.protocol import (
-    _CONTENT_HEAD,
-    _FRAME_HEAD,
     BASIC_CLASS_ID,
     FRAME_BODY,
     FRAME_END,
@@ -26,6 +24,13 @@ from pepsi.amqp.wire.protocol import (
     FRAME_MIN_SIZE,
     FRAME_OVERHEAD,
 )
+
+# A frame's header (type, channel, payload size) and a content header's fixed fields
+# (class, weight, body size). Defined here and in the reader, not imported: CPython 3.11
+# compiles a method call on an imported name (`_FRAME_HEAD.unpack_from(...)`) without
+# LOAD_METHOD, a bound method made per call on the hot path.
+_FRAME_HEAD = struct.Struct(">BHI")
+_CONTENT_HEAD = struct.Struct(">HHQ")
 
 _U8 = struct.Struct(">B")
 _U32 = struct.Struct(">I")
