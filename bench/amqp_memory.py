@@ -37,11 +37,13 @@ from pepsi.admin.accounts import amqp_users
 from pepsi.amqp.broker.broker import Broker
 from pepsi.amqp.session.connection import ConnectionOptions
 from pepsi.amqp.session.server import serve
-from pepsi.amqp.wire import framing
+from pepsi.amqp.wire import methods, protocol, writer
+from pepsi.amqp.wire.frames import MethodFrame
+from pepsi.amqp.wire.reader import FrameReader
 
 MIB = 1024 * 1024
 PASSWORD = "bench-secret"
-CHUNK = 128 * 1024 - framing.FRAME_OVERHEAD
+CHUNK = 128 * 1024 - protocol.FRAME_OVERHEAD
 
 
 def rss() -> int:
@@ -51,13 +53,13 @@ def rss() -> int:
 class Client:
     def __init__(self, port: int, user: str) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))
-        self.reader = framing.FrameReader(0, expect_protocol_header=False)
-        self.sock.sendall(framing.PROTOCOL_HEADER)
+        self.reader = FrameReader(0, expect_protocol_header=False)
+        self.sock.sendall(protocol.PROTOCOL_HEADER)
         self.expect(commands.Connection.Start)
         response = b"\0" + user.encode() + b"\0" + PASSWORD.encode()
         self.method(
             0,
-            framing.build_method(
+            methods.build_method(
                 commands.Connection.StartOk,
                 client_properties={},
                 mechanism="PLAIN",
@@ -68,44 +70,44 @@ class Client:
         tune = self.expect(commands.Connection.Tune)
         self.method(
             0,
-            framing.build_method(
+            methods.build_method(
                 commands.Connection.TuneOk,
                 channel_max=tune.channel_max,
                 frame_max=tune.frame_max,
                 heartbeat=0,
             ),
         )
-        self.method(0, framing.build_method(commands.Connection.Open, virtual_host="/"))
+        self.method(0, methods.build_method(commands.Connection.Open, virtual_host="/"))
         self.expect(commands.Connection.OpenOk)
         self.pending: list[Any] = []
 
     def method(self, channel: int, method: Any) -> None:
-        self.sock.sendall(framing.encode_method(channel, method))
+        self.sock.sendall(writer.encode_method(channel, method))
 
     def expect(self, cls: type[Any]) -> Any:
         while True:
             for frame in self.reader.feed(self.sock.recv(65536)):
-                if isinstance(frame, framing.MethodFrame) and isinstance(frame.method, cls):
+                if isinstance(frame, MethodFrame) and isinstance(frame.method, cls):
                     return frame.method
 
     def probe(self, channels: int, exchange: str, key: str, size: int, send: int) -> None:
         self.sock.setblocking(False)  # the server may stop reading: send what it takes
         for channel in range(1, channels + 1):
-            self._send(framing.encode_method(channel, framing.build_method(commands.Channel.Open)))
+            self._send(writer.encode_method(channel, methods.build_method(commands.Channel.Open)))
             self._send(
-                framing.encode_method(
+                writer.encode_method(
                     channel,
-                    framing.build_method(
+                    methods.build_method(
                         commands.Basic.Publish, exchange=exchange, routing_key=key
                     ),
                 )
             )
-            header = struct.pack(">HHQH", framing.BASIC_CLASS_ID, 0, size, 0)
-            self._send(framing.encode_frame(framing.FRAME_HEADER, channel, header))
+            header = struct.pack(">HHQH", protocol.BASIC_CLASS_ID, 0, size, 0)
+            self._send(writer.encode_frame(protocol.FRAME_HEADER, channel, header))
         frame = b"x" * CHUNK
         for _ in range(send // CHUNK):
             for channel in range(1, channels + 1):
-                self._send(framing.encode_frame(framing.FRAME_BODY, channel, frame))
+                self._send(writer.encode_frame(protocol.FRAME_BODY, channel, frame))
 
     def _send(self, data: bytes) -> None:
         deadline = time.monotonic() + 2
@@ -142,9 +144,9 @@ def main() -> None:
     ).result()
     port = server.address[1]
     setup = Client(port, "alice")
-    setup.method(1, framing.build_method(commands.Channel.Open))
+    setup.method(1, methods.build_method(commands.Channel.Open))
     setup.expect(commands.Channel.OpenOk)
-    setup.method(1, framing.build_method(commands.Queue.Declare, queue="q"))
+    setup.method(1, methods.build_method(commands.Queue.Declare, queue="q"))
     setup.expect(commands.Queue.DeclareOk)
     setup.close()
     results: dict[str, dict[str, int]] = {}

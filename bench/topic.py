@@ -32,15 +32,9 @@ import statistics
 import time
 from pathlib import Path
 
-from pepsi.amqp.model.routing import (
-    MAX_TOPIC_EXCHANGE_WORDS,
-    MAX_TOPIC_WORDS,
-    QUEUE,
-    TOPIC,
-    Binding,
-    Exchange,
-    RoutingTable,
-)
+from pepsi.amqp.model.exchanges import QUEUE, TOPIC, Binding, Exchange
+from pepsi.amqp.model.routing import RoutingTable
+from pepsi.amqp.model.topics import MAX_TOPIC_EXCHANGE_WORDS, MAX_TOPIC_WORDS
 
 
 def _table(patterns: list[str]) -> RoutingTable:

@@ -17,7 +17,9 @@ from pamqp import base, commands
 
 from pepsi.amqp.session.connection import ConnectionOptions
 from pepsi.amqp.session.server import Server, serve
-from pepsi.amqp.wire import framing
+from pepsi.amqp.wire import methods, protocol, writer
+from pepsi.amqp.wire.frames import Frame, HeartbeatFrame, MethodFrame
+from pepsi.amqp.wire.reader import FrameReader
 
 T = TypeVar("T")
 PASSWORD = "s3cret"
@@ -85,16 +87,16 @@ class Raw:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.settimeout(10)
         self.sock.connect(("127.0.0.1", port))
-        self.reader = framing.FrameReader(0, expect_protocol_header=False)
-        self.pending: list[framing.Frame] = []
+        self.reader = FrameReader(0, expect_protocol_header=False)
+        self.pending: list[Frame] = []
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
 
     def method(self, channel: int, method: base.Frame) -> None:
-        self.send(framing.encode_method(channel, method))
+        self.send(writer.encode_method(channel, method))
 
-    def frame(self, timeout: float = 10.0) -> framing.Frame | None:
+    def frame(self, timeout: float = 10.0) -> Frame | None:
         """The next frame, or None at EOF."""
         self.sock.settimeout(timeout)
         while not self.pending:
@@ -108,9 +110,9 @@ class Raw:
         """The next method, skipping heartbeats; it must be a `cls`."""
         while True:
             frame = self.frame(timeout)
-            if isinstance(frame, framing.HeartbeatFrame):
+            if isinstance(frame, HeartbeatFrame):
                 continue
-            assert isinstance(frame, framing.MethodFrame), frame
+            assert isinstance(frame, MethodFrame), frame
             assert isinstance(frame.method, cls), frame.method
             return frame.method
 
@@ -140,7 +142,7 @@ class Raw:
         user: str = "alice",
         capabilities: dict[str, Any] | None = None,
     ) -> None:
-        self.send(framing.PROTOCOL_HEADER)
+        self.send(protocol.PROTOCOL_HEADER)
         self.expect(commands.Connection.Start)
         if response is None:
             response = b"\0" + user.encode() + b"\0" + PASSWORD.encode()
@@ -149,7 +151,7 @@ class Raw:
             properties["capabilities"] = capabilities
         self.method(
             0,
-            framing.build_method(
+            methods.build_method(
                 commands.Connection.StartOk,
                 client_properties=properties,
                 mechanism=mechanism,
@@ -160,7 +162,7 @@ class Raw:
         tune = self.expect(commands.Connection.Tune)
         self.method(
             0,
-            framing.build_method(
+            methods.build_method(
                 commands.Connection.TuneOk,
                 channel_max=channel_max or tune.channel_max,
                 frame_max=frame_max or tune.frame_max,
@@ -168,7 +170,7 @@ class Raw:
             ),
         )
         self.method(
-            0, framing.build_method(commands.Connection.Open, virtual_host=vhost, insist=False)
+            0, methods.build_method(commands.Connection.Open, virtual_host=vhost, insist=False)
         )
         self.expect(commands.Connection.OpenOk)
 

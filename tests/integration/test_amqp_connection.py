@@ -28,7 +28,8 @@ from pepsi.amqp.session.connection import (
     ConnectionOptions,
     connection_refusal,
 )
-from pepsi.amqp.wire import framing
+from pepsi.amqp.wire import methods, protocol, writer
+from pepsi.amqp.wire.frames import HeartbeatFrame
 from pepsi.config.model import AmqpOptions
 from tests.integration.amqp_harness import PASSWORD, Listener, Raw, assert_no_server_bugs
 from tests.scenarios.conftest import wait_until
@@ -125,7 +126,7 @@ def test_amqplain_logs_in(raw: Callable[[], Raw]) -> None:
     client.handshake(mechanism="AMQPLAIN", response=amqplain("alice", PASSWORD))
     client.method(1, commands.Channel.Open())
     client.expect(commands.Channel.OpenOk)
-    client.method(0, framing.build_method(commands.Connection.Close, reply_code=200,
+    client.method(0, methods.build_method(commands.Connection.Close, reply_code=200,
                                           reply_text="bye", class_id=0, method_id=0))  # fmt: skip
     client.expect(commands.Connection.CloseOk)
     assert client.closed_within(5)
@@ -133,9 +134,9 @@ def test_amqplain_logs_in(raw: Callable[[], Raw]) -> None:
 
 def test_amqplain_wrong_password_is_refused(raw: Callable[[], Raw]) -> None:
     client = raw()
-    client.send(framing.PROTOCOL_HEADER)
+    client.send(protocol.PROTOCOL_HEADER)
     client.expect(commands.Connection.Start)
-    client.method(0, framing.build_method(
+    client.method(0, methods.build_method(
         commands.Connection.StartOk, client_properties={}, mechanism="AMQPLAIN",
         response=amqplain("alice", "nope"), locale="en_US"))  # fmt: skip
     # no authentication_failure_close capability: the socket just closes (as RabbitMQ)
@@ -219,7 +220,7 @@ def test_a_method_not_implemented_yet_closes_only_its_channel(listener: Listener
 def test_channel_errors_close_the_connection(raw: Callable[[], Raw]) -> None:
     client = raw()
     client.handshake(channel_max=10)
-    client.method(5, framing.build_method(commands.Basic.Qos, prefetch_size=0,
+    client.method(5, methods.build_method(commands.Basic.Qos, prefetch_size=0,
                                           prefetch_count=1, global_=False))  # fmt: skip
     close = client.expect(commands.Connection.Close)
     assert close.reply_code == 504
@@ -246,22 +247,22 @@ def test_channel_flow_stop_is_not_implemented_as_in_rabbitmq(raw: Callable[[], R
     client.handshake()
     client.method(1, commands.Channel.Open())
     client.expect(commands.Channel.OpenOk)
-    client.method(1, framing.build_method(commands.Channel.Flow, active=True))
+    client.method(1, methods.build_method(commands.Channel.Flow, active=True))
     assert client.expect(commands.Channel.FlowOk).active is True
-    client.method(1, framing.build_method(commands.Channel.Flow, active=False))
+    client.method(1, methods.build_method(commands.Channel.Flow, active=False))
     close = client.expect(commands.Connection.Close)
     assert (close.reply_code, close.reply_text) == (540, "NOT_IMPLEMENTED - active=false")
 
 
 def test_a_too_small_frame_max_is_refused_with_530(raw: Callable[[], Raw]) -> None:
     client = raw()
-    client.send(framing.PROTOCOL_HEADER)
+    client.send(protocol.PROTOCOL_HEADER)
     client.expect(commands.Connection.Start)
-    client.method(0, framing.build_method(
+    client.method(0, methods.build_method(
         commands.Connection.StartOk, client_properties={}, mechanism="PLAIN",
         response=b"\0alice\0" + PASSWORD.encode(), locale="en_US"))  # fmt: skip
     client.expect(commands.Connection.Tune)
-    client.method(0, framing.build_method(commands.Connection.TuneOk, channel_max=0,
+    client.method(0, methods.build_method(commands.Connection.TuneOk, channel_max=0,
                                           frame_max=1024, heartbeat=0))  # fmt: skip
     close = client.expect(commands.Connection.Close)
     assert close.reply_code == 530
@@ -295,7 +296,7 @@ class EchoHandler(ChannelHandler):
         if method.queue == "bug":
             raise RuntimeError("a bug in a handler")
         self.channel.send_method(
-            framing.build_method(
+            methods.build_method(
                 commands.Queue.DeclareOk, queue=method.queue, message_count=0, consumer_count=0
             )
         )
@@ -354,7 +355,7 @@ def test_the_server_sends_heartbeats_and_drops_a_silent_client(raw: Callable[[],
     client = raw()
     client.handshake(heartbeat=1)
     started = time.monotonic()
-    assert isinstance(client.frame(timeout=2.0), framing.HeartbeatFrame)  # at ~0.5 s
+    assert isinstance(client.frame(timeout=2.0), HeartbeatFrame)  # at ~0.5 s
     # we send nothing: the server closes after two missed intervals (2 s)
     assert client.closed_within(4.0)
     assert 1.5 < time.monotonic() - started < 4.0
@@ -368,7 +369,7 @@ def test_a_client_that_says_nothing_is_dropped_after_the_handshake_timeout(
     assert client.closed_within(HANDSHAKE_TIMEOUT + 2)
     assert time.monotonic() - started >= HANDSHAKE_TIMEOUT * 0.9
     silent_after_header = raw()
-    silent_after_header.send(framing.PROTOCOL_HEADER)
+    silent_after_header.send(protocol.PROTOCOL_HEADER)
     assert silent_after_header.closed_within(HANDSHAKE_TIMEOUT + 2)
     assert_usable(listener)
 
@@ -381,13 +382,13 @@ def test_a_wrong_protocol_header_is_answered_with_ours(raw: Callable[[], Raw]) -
         client = raw()
         client.send(header)
         client.sock.settimeout(5)
-        assert client.sock.recv(100) == framing.PROTOCOL_HEADER
+        assert client.sock.recv(100) == protocol.PROTOCOL_HEADER
         assert client.closed_within(5)
 
 
 def test_garbage_after_a_good_header_is_a_501(raw: Callable[[], Raw]) -> None:
     client = raw()
-    client.send(framing.PROTOCOL_HEADER)
+    client.send(protocol.PROTOCOL_HEADER)
     client.expect(commands.Connection.Start)
     client.send(b"\x01\x00\x00\x00\x00\x00\x02hi\x00garbage")  # frame-end 0x00: sync lost
     close = client.expect(commands.Connection.Close)
@@ -397,7 +398,7 @@ def test_garbage_after_a_good_header_is_a_501(raw: Callable[[], Raw]) -> None:
 
 def test_an_oversized_frame_is_a_501(raw: Callable[[], Raw]) -> None:
     before_tune = raw()
-    before_tune.send(framing.PROTOCOL_HEADER)
+    before_tune.send(protocol.PROTOCOL_HEADER)
     before_tune.expect(commands.Connection.Start)
     before_tune.send(struct.pack(">BHI", 1, 0, 4097))  # over 4096 before tune-ok
     close = before_tune.expect(commands.Connection.Close)
@@ -420,9 +421,9 @@ def test_a_message_over_max_message_size_closes_its_channel_with_406(dsn: str, u
         client.handshake()
         client.method(1, commands.Channel.Open())
         client.expect(commands.Channel.OpenOk)
-        publish = framing.build_method(commands.Basic.Publish, ticket=0, exchange="",
+        publish = methods.build_method(commands.Basic.Publish, ticket=0, exchange="",
                                        routing_key="q", mandatory=False, immediate=False)  # fmt: skip
-        client.send(framing.encode_content(1, publish, b"\x00\x00", b"x" * 1001, 131072))
+        client.send(writer.encode_content(1, publish, b"\x00\x00", b"x" * 1001, 131072))
         close = client.expect(commands.Channel.Close)
         assert close.reply_code == 406
         client.method(1, commands.Channel.CloseOk())
@@ -434,7 +435,7 @@ def test_a_message_over_max_message_size_closes_its_channel_with_406(dsn: str, u
 
 
 # A request whose answer (flow-ok) a non-reading client leaves in the server's buffers.
-FLOOD = framing.encode_method(1, framing.build_method(commands.Channel.Flow, active=True))
+FLOOD = writer.encode_method(1, methods.build_method(commands.Channel.Flow, active=True))
 
 
 def non_reading_client(server: Listener) -> Raw:

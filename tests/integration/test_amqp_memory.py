@@ -17,13 +17,13 @@ from pepsi.admin.accounts import amqp_users
 from pepsi.amqp.broker.broker import Broker
 from pepsi.amqp.session.connection import ConnectionOptions
 from pepsi.amqp.session.memory import MIB, refusal
-from pepsi.amqp.wire import framing
+from pepsi.amqp.wire import methods, protocol, writer
 from pepsi.config.model import AmqpOptions
 from tests.integration.amqp_harness import PASSWORD, Listener, Raw, assert_no_server_bugs
 from tests.scenarios.conftest import wait_until
 
 Conn = psycopg.Connection[Any]
-CHUNK = 128 * 1024 - framing.FRAME_OVERHEAD  # a body frame at the default frame_max
+CHUNK = 128 * 1024 - protocol.FRAME_OVERHEAD  # a body frame at the default frame_max
 
 
 @pytest.fixture(autouse=True)
@@ -50,21 +50,21 @@ def publish_start(client: Raw, channel: int, exchange: str, key: str, size: int)
     """basic.publish and its content header: the body is the caller's to send."""
     client.method(
         channel,
-        framing.build_method(
+        methods.build_method(
             commands.Basic.Publish, exchange=exchange, routing_key=key, mandatory=False
         ),
     )
-    header = struct.pack(">HHQH", framing.BASIC_CLASS_ID, 0, size, 0)
-    client.send(framing.encode_frame(framing.FRAME_HEADER, channel, header))
+    header = struct.pack(">HHQH", protocol.BASIC_CLASS_ID, 0, size, 0)
+    client.send(writer.encode_frame(protocol.FRAME_HEADER, channel, header))
 
 
 def body(client: Raw, channel: int, size: int) -> None:
     for at in range(0, size, CHUNK):
-        client.send(framing.encode_frame(framing.FRAME_BODY, channel, b"x" * min(CHUNK, size - at)))
+        client.send(writer.encode_frame(protocol.FRAME_BODY, channel, b"x" * min(CHUNK, size - at)))
 
 
 def open_channel(client: Raw, channel: int) -> None:
-    client.method(channel, framing.build_method(commands.Channel.Open))
+    client.method(channel, methods.build_method(commands.Channel.Open))
     client.expect(commands.Channel.OpenOk)
 
 
@@ -87,7 +87,7 @@ def test_a_refused_publish_keeps_none_of_its_body(dsn: str, users: Conn) -> None
             assert close.reply_code == 403
             assert "access to exchange 'nowhere' in vhost '/' refused" in close.reply_text
             body(client, channel, 4 * MIB)  # sent anyway: discarded unread
-            client.method(channel, framing.build_method(commands.Channel.CloseOk))
+            client.method(channel, methods.build_method(commands.Channel.CloseOk))
         assert held(server) == 0
         open_channel(client, 7)  # the connection serves on
     finally:
@@ -119,7 +119,7 @@ def test_one_connection_holds_at_most_its_buffer(dsn: str, users: Conn, conn: Co
         client.handshake()
         for channel in (1, 2, 3):
             open_channel(client, channel)
-        client.method(1, framing.build_method(commands.Queue.Declare, queue="big"))
+        client.method(1, methods.build_method(commands.Queue.Declare, queue="big"))
         client.expect(commands.Queue.DeclareOk)
         publish_start(client, 1, "", "big", MIB)
         publish_start(client, 2, "", "big", MIB)
@@ -162,7 +162,7 @@ def test_past_the_global_buffer_publishers_are_blocked_then_go_on(dsn: str, user
         for client in (first, second):
             open_channel(client, 1)
             open_channel(client, 2)
-        first.method(1, framing.build_method(commands.Queue.Declare, queue="big"))
+        first.method(1, methods.build_method(commands.Queue.Declare, queue="big"))
         first.expect(commands.Queue.DeclareOk)
         publish_start(first, 1, "", "big", MIB)
         publish_start(first, 2, "", "big", MIB)

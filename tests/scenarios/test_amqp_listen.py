@@ -224,7 +224,7 @@ def test_a_peers_text_cannot_forge_a_line_of_the_dispatchers_log(pipeline: Pipel
     is written on one line now, its control characters escaped."""
     from pamqp import commands  # noqa: PLC0415
 
-    from pepsi.amqp.wire import framing  # noqa: PLC0415
+    from pepsi.amqp.wire import methods, protocol  # noqa: PLC0415
     from tests.integration.test_amqp_connection import Raw  # noqa: PLC0415
 
     port = free_port()
@@ -234,9 +234,9 @@ def test_a_peers_text_cannot_forge_a_line_of_the_dispatchers_log(pipeline: Pipel
     forged = "PLAIN\n2026-12-05 06:00:00,000 CRITICAL pepsi.dispatch: database wiped by admin"
     client = Raw(port)
     try:
-        client.send(framing.PROTOCOL_HEADER)
+        client.send(protocol.PROTOCOL_HEADER)
         client.expect(commands.Connection.Start)
-        client.method(0, framing.build_method(
+        client.method(0, methods.build_method(
             commands.Connection.StartOk, client_properties={"product": "raw"},
             mechanism=forged, response=b"\0x\0y", locale="en_US",
         ))  # fmt: skip

@@ -1,4 +1,4 @@
-"""Queue arguments, properties, redeclaration and names (pepsi.amqp.model.arguments)."""
+"""Queue arguments, properties, redeclaration and names (model.arguments, queues, values)."""
 
 from __future__ import annotations
 
@@ -11,19 +11,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pepsi.amqp.model.arguments import (
-    QueueArguments,
+from pepsi.amqp.model.arguments import QueueArguments, parse_queue_arguments
+from pepsi.amqp.model.queues import (
     QueueDeclaration,
     check_queue_name,
     check_queue_properties,
     check_queue_redeclare,
     declare_queue_name,
-    describe_value,
-    field_type,
     generate_queue_name,
-    parse_queue_arguments,
-    value_key,
 )
+from pepsi.amqp.model.values import describe_value, field_type, value_key
 from pepsi.amqp.wire.replies import (
     ACCESS_REFUSED,
     PRECONDITION_FAILED,

@@ -7,7 +7,7 @@ import datetime as dt
 
 from pepsi.amqp.broker.catalogue import Queue
 from pepsi.amqp.broker.ttl import expired_queues, first_use, ttl_expires
-from pepsi.amqp.model.arguments import QueueDeclaration
+from pepsi.amqp.model.queues import QueueDeclaration
 
 NOW = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
 

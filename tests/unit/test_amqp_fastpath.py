@@ -17,8 +17,12 @@ from pamqp import commands
 from pepsi.amqp.broker.catalogue import Queue, VhostView
 from pepsi.amqp.broker.publish.publishing import plain_stages
 from pepsi.amqp.broker.publish.units import Item, Unit
-from pepsi.amqp.model.arguments import QueueDeclaration
-from pepsi.amqp.wire import framing
+from pepsi.amqp.model.queues import QueueDeclaration
+from pepsi.amqp.wire import methods, properties, replies, tables, writer
+from pepsi.amqp.wire.assembler import ContentAssembler
+from pepsi.amqp.wire.frames import BodyFrame, Content, MethodFrame, RawContentHeader
+from pepsi.amqp.wire.properties import _check_properties, _properties_fast_ok
+from pepsi.amqp.wire.reader import FrameReader
 from pepsi.publishing.message import Row
 
 PUBLISH_FIELDS = ("ticket", "exchange", "routing_key", "mandatory", "immediate")
@@ -40,7 +44,7 @@ def outcome(decode: Callable[[], Any]) -> tuple[Any, ...]:
     """What a decode gives, comparable across paths: the fields, or the error."""
     try:
         frame = decode()
-    except framing.FrameError as error:
+    except replies.FrameError as error:
         return ("error", type(error), error.reply_code, error.text, error.fatal,
                 error.channel, error.class_id, error.method_id)  # fmt: skip
     method = frame.method
@@ -49,8 +53,8 @@ def outcome(decode: Callable[[], Any]) -> tuple[Any, ...]:
 
 def slow_method(channel: int, payload: bytes, monkeypatch: pytest.MonkeyPatch) -> Any:
     with monkeypatch.context() as m:
-        m.setattr(framing, "_fast_publish", lambda _: None)
-        return framing._decode_method(channel, payload)
+        m.setattr(methods, "_fast_publish", lambda _: None)
+        return methods._decode_method(channel, payload)
 
 
 @given(
@@ -64,14 +68,14 @@ def test_fast_publish_matches_pamqp(
     ticket: int, exchange: str, key: str, bits: int, channel: int
 ) -> None:
     payload = publish_payload(ticket, exchange.encode(), key.encode(), bits)
-    fast = framing._fast_publish(payload)
+    fast = methods._fast_publish(payload)
     assert fast is not None
     slow = commands.Basic.Publish()
     slow.unmarshal(payload[4:])
     for name in PUBLISH_FIELDS:
         assert getattr(fast, name) == getattr(slow, name), name
         assert type(getattr(fast, name)) is type(getattr(slow, name)), name
-    frame = framing._decode_method(channel, payload)
+    frame = methods._decode_method(channel, payload)
     assert isinstance(frame.method, commands.Basic.Publish)
     assert frame.channel == channel
     assert frame.has_content
@@ -81,7 +85,7 @@ def test_fast_publish_matches_pamqp(
 def test_publish_bad_or_odd_payloads_decode_as_the_general_path(tail: bytes, channel: int) -> None:
     payload = struct.pack(">I", commands.Basic.Publish.index) + tail
     with pytest.MonkeyPatch.context() as m:
-        fast = outcome(lambda: framing._decode_method(channel, payload))
+        fast = outcome(lambda: methods._decode_method(channel, payload))
         slow = outcome(lambda: slow_method(channel, payload, m))
     assert fast == slow
 
@@ -99,7 +103,7 @@ def test_publish_length_and_utf8_errors_match(
     payload = publish_payload(0, exchange, key, bits)
     payload = payload[:cut] if cut < 0 else payload + b"\x00" * cut
     with pytest.MonkeyPatch.context() as m:
-        fast = outcome(lambda: framing._decode_method(1, payload))
+        fast = outcome(lambda: methods._decode_method(1, payload))
         slow = outcome(lambda: slow_method(1, payload, m))
     assert fast == slow
 
@@ -107,22 +111,22 @@ def test_publish_length_and_utf8_errors_match(
 def property_outcome(check: Callable[[bytes], None], raw: bytes) -> tuple[Any, ...]:
     try:
         check(raw)
-    except framing._Malformed as error:
+    except tables._Malformed as error:
         return ("malformed", str(error))
     return ("ok",)
 
 
 def slow_check(raw: bytes) -> None:
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(framing, "_properties_fast_ok", lambda _: False)
-        framing._check_properties(raw)
+        m.setattr(properties, "_properties_fast_ok", lambda _: False)
+        _check_properties(raw)
 
 
 @given(flags=st.integers(0, 0xFFFF), rest=st.binary(max_size=60))
 def test_property_check_matches_the_walker(flags: int, rest: bytes) -> None:
     raw = struct.pack(">H", flags) + rest
-    assert property_outcome(framing._check_properties, raw) == property_outcome(slow_check, raw)
-    if framing._properties_fast_ok(raw):
+    assert property_outcome(_check_properties, raw) == property_outcome(slow_check, raw)
+    if _properties_fast_ok(raw):
         slow_check(raw)  # the fast path only ever says yes to what the walker accepts
 
 
@@ -157,23 +161,23 @@ def test_property_check_accepts_valid_lists(
         flags |= 1 << 6
         parts.append(struct.pack(">Q", timestamp))
     raw = struct.pack(">H", flags) + b"".join(parts)
-    assert framing._properties_fast_ok(raw)
-    framing._check_properties(raw)
+    assert _properties_fast_ok(raw)
+    _check_properties(raw)
     slow_check(raw)
 
 
 def test_reader_publish_frames_as_before() -> None:
     """A whole publish through the reader and assembler (the fast paths end to end)."""
-    publish = framing.build_method(
+    publish = methods.build_method(
         commands.Basic.Publish, exchange="ex", routing_key="rk", mandatory=True
     )
     raw_props = commands.Basic.Properties(content_type="text/plain", delivery_mode=2).marshal()
-    data = framing.encode_content(7, publish, raw_props, b"x" * 10_000, 4096)
-    reader = framing.FrameReader(4096, expect_protocol_header=False)
-    assembler = framing.ContentAssembler(7)
+    data = writer.encode_content(7, publish, raw_props, b"x" * 10_000, 4096)
+    reader = FrameReader(4096, expect_protocol_header=False)
+    assembler = ContentAssembler(7)
     results = [assembler.feed(frame) for frame in reader.feed(data)]  # type: ignore[arg-type]
     content = results[-1]
-    assert isinstance(content, framing.Content)
+    assert isinstance(content, Content)
     assert all(r is None for r in results[:-1])
     method = content.method
     assert isinstance(method, commands.Basic.Publish)
@@ -236,7 +240,7 @@ _TRAFFIC = st.sampled_from(
 )
 
 
-def _content(content: framing.Content) -> tuple[Any, ...]:
+def _content(content: Content) -> tuple[Any, ...]:
     method = content.method
     fields = tuple(getattr(method, name) for name in PUBLISH_FIELDS)
     return ("content", content.channel, fields, content.raw_properties, content.body)
@@ -245,8 +249,8 @@ def _content(content: framing.Content) -> tuple[Any, ...]:
 def _read(data: bytes, cuts: list[int], *, whole: bool) -> list[tuple[Any, ...]]:
     """What the reader and the channels' assemblers make of `data` fed in chunks; with
     `whole`, trying `take_publish` before each frame, as the connection does."""
-    reader = framing.FrameReader(1024, expect_protocol_header=False)
-    assemblers = {n: framing.ContentAssembler(n, max_message_size=MAX_MESSAGE) for n in (1, 2)}
+    reader = FrameReader(1024, expect_protocol_header=False)
+    assemblers = {n: ContentAssembler(n, max_message_size=MAX_MESSAGE) for n in (1, 2)}
 
     def accept(channel: int, body_size: int = 0) -> bool:
         assembler = assemblers.get(channel)
@@ -269,14 +273,12 @@ def _read(data: bytes, cuts: list[int], *, whole: bool) -> list[tuple[Any, ...]]
                 frame = reader.next_frame()
                 if frame is None:
                     break
-                if isinstance(
-                    frame, framing.MethodFrame | framing.RawContentHeader | framing.BodyFrame
-                ):
+                if isinstance(frame, MethodFrame | RawContentHeader | BodyFrame):
                     if frame.channel not in assemblers:  # not open
                         out.append(("closed channel", frame.channel))
                         continue
                     result = assemblers[frame.channel].feed(frame)
-                    if isinstance(result, framing.Content):
+                    if isinstance(result, Content):
                         out.append(_content(result))
                     elif result is not None and isinstance(result.method, commands.Basic.Ack):
                         ack_method = result.method
@@ -286,7 +288,7 @@ def _read(data: bytes, cuts: list[int], *, whole: bool) -> list[tuple[Any, ...]]
                         out.append(("method", frame.channel, type(result.method)))
                 else:
                     out.append(("frame", type(frame)))
-            except framing.FrameError as error:
+            except replies.FrameError as error:
                 out.append(("error", type(error), error.text, error.fatal))
                 if error.fatal:
                     return out
@@ -311,7 +313,7 @@ def test_whole_publishes_read_as_frame_by_frame(
 
 def test_take_publish_takes_only_whole_publishes() -> None:
     wire = _publish_wire(1, b"b" * 2000, pika.spec.BasicProperties(delivery_mode=2))
-    reader = framing.FrameReader(1024, expect_protocol_header=False)
+    reader = FrameReader(1024, expect_protocol_header=False)
     reader.feed(wire[:-1])
     assert reader.take_publish(lambda channel, size: True) is None  # the last octet is missing
     assert reader.buffered == len(wire) - 1  # nothing consumed

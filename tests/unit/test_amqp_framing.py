@@ -1,4 +1,4 @@
-"""The AMQP 0-9-1 wire codec (pepsi.amqp.wire.framing): real pika traffic, partial feeds,
+"""The AMQP 0-9-1 wire codec (pepsi.amqp.wire: reader, writer...): real pika traffic, partial feeds,
 body splitting, raw properties byte for byte, each error's reply code, and random bytes."""
 
 from __future__ import annotations
@@ -15,42 +15,41 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pamqp import commands
 
-from pepsi.amqp.wire.framing import (
-    DEFAULT_MAX_MESSAGE_SIZE,
-    FRAME_MIN_SIZE,
-    HEARTBEAT,
-    LARGE_BODY,
-    MAX_TABLE_DEPTH,
-    MAX_TABLE_ITEMS,
-    PROTOCOL_HEADER,
+from pepsi.amqp.wire.assembler import DEFAULT_MAX_MESSAGE_SIZE, LARGE_BODY, ContentAssembler
+from pepsi.amqp.wire.frames import (
     BodyFrame,
     Content,
-    ContentAssembler,
+    HeartbeatFrame,
+    MethodFrame,
+    ProtocolHeaderFrame,
+    RawContentHeader,
+)
+from pepsi.amqp.wire.methods import build_method
+from pepsi.amqp.wire.properties import decode_properties, encode_properties
+from pepsi.amqp.wire.protocol import FRAME_MIN_SIZE, PROTOCOL_HEADER
+from pepsi.amqp.wire.reader import FrameReader
+from pepsi.amqp.wire.replies import (
     FatalFrameError,
     FrameError,
     FrameFormatError,
-    FrameReader,
     FrameSyntaxError,
     FrameTooLarge,
-    HeartbeatFrame,
     MessageTooLarge,
-    MethodFrame,
     MethodNotImplemented,
-    ProtocolHeaderFrame,
     ProtocolHeaderMismatch,
-    RawContentHeader,
     UnexpectedFrame,
-    build_method,
-    decode_properties,
+)
+from pepsi.amqp.wire.tables import MAX_TABLE_DEPTH, MAX_TABLE_ITEMS
+from pepsi.amqp.wire.writer import (
+    HEARTBEAT,
     encode_content,
     encode_deliver,
     encode_deliver_fields,
     encode_frame,
     encode_method,
-    encode_properties,
     routing_fields,
 )
-from pepsi.amqp.wire.framing import shortstr as amqp_shortstr
+from pepsi.amqp.wire.writer import shortstr as amqp_shortstr
 
 # --- helpers ----------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Broker-added headers in raw content properties (pepsi.amqp.wire.headers): the field encoder,
+"""Broker-added headers in raw content properties (wire.headers, dead_letters): the field encoder,
 in-place table edits checked with pamqp's decoder and byte for byte, and the x-death
 bookkeeping of RabbitMQ 3.13."""
 
@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from pamqp import commands
 from pamqp import decode as pamqp_decode
 
-from pepsi.amqp.wire import headers
-from pepsi.amqp.wire.framing import decode_properties
+from pepsi.amqp.wire import dead_letters, headers
+from pepsi.amqp.wire.dead_letters import death_headers, deaths_from_header, record_death
 from pepsi.amqp.wire.headers import (
     CONTENT_ENCODING_BIT,
     CONTENT_TYPE_BIT,
@@ -25,14 +25,12 @@ from pepsi.amqp.wire.headers import (
     MESSAGE_ID_BIT,
     PRIORITY_BIT,
     TIMESTAMP_BIT,
-    death_headers,
-    deaths_from_header,
     encode_entries,
     encode_value,
     header_entry,
-    record_death,
     set_headers,
 )
+from pepsi.amqp.wire.properties import decode_properties
 
 # --- building raw properties independently of the module --------------------------------
 
@@ -519,7 +517,7 @@ def test_module_constants() -> None:
     assert commands.Basic.Properties.flags["headers"] == 1 << HEADERS_BIT
     assert commands.Basic.Properties.flags["content_type"] == 1 << CONTENT_TYPE_BIT
     assert commands.Basic.Properties.flags["cluster_id"] == 1 << headers.CLUSTER_ID_BIT
-    assert {"rejected", "expired", "maxlen", "delivery_limit"} == headers.DEATH_REASONS
+    assert {"rejected", "expired", "maxlen", "delivery_limit"} == dead_letters.DEATH_REASONS
 
 
 @settings(max_examples=150, deadline=None)

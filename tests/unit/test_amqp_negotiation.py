@@ -23,7 +23,9 @@ from pepsi.amqp.session.connection import (
     not_implemented,
     server_properties,
 )
-from pepsi.amqp.wire import framing, replies
+from pepsi.amqp.wire import methods, protocol, replies, writer
+from pepsi.amqp.wire.frames import MethodFrame
+from pepsi.amqp.wire.reader import FrameReader
 from pepsi.config import merge_overlay, parse_config
 from pepsi.config.model import AmqpOptions, RawValue
 from pepsi.errors import ConfigError
@@ -71,7 +73,7 @@ def test_an_accepted_tune_is_never_over_the_offer(
         assert code == replies.NOT_ALLOWED  # the only refusal there is
         return
     assert 1 <= tuned.channel_max <= offer_ch
-    assert framing.FRAME_MIN_SIZE <= tuned.frame_max <= offer_fr
+    assert protocol.FRAME_MIN_SIZE <= tuned.frame_max <= offer_fr
     assert tuned.heartbeat == hb
 
 
@@ -116,12 +118,12 @@ def test_the_next_check_is_never_in_the_past_unless_dead(
 
 
 def test_a_fatal_frame_error_closes_the_connection_and_drops_the_socket() -> None:
-    close = close_for(framing.FatalFrameError("bad frame end", channel=3))
+    close = close_for(replies.FatalFrameError("bad frame end", channel=3))
     assert close == Close(0, 501, "FRAME_ERROR - bad frame end", drop=True)
 
 
 def test_a_hard_frame_error_on_a_channel_closes_the_connection() -> None:
-    error = framing.UnexpectedFrame("expected a content header", channel=2, class_id=60,
+    error = replies.UnexpectedFrame("expected a content header", channel=2, class_id=60,
                                     method_id=40)  # fmt: skip
     close = close_for(error)
     assert (close.channel, close.code, close.drop) == (0, 505, False)
@@ -129,7 +131,7 @@ def test_a_hard_frame_error_on_a_channel_closes_the_connection() -> None:
 
 
 def test_a_soft_frame_error_closes_its_channel() -> None:
-    error = framing.MessageTooLarge("message size 2 is larger than 1", channel=4, class_id=60,
+    error = replies.MessageTooLarge("message size 2 is larger than 1", channel=4, class_id=60,
                                     method_id=40)  # fmt: skip
     close = close_for(error)
     assert (close.channel, close.code, close.text) == (
@@ -169,12 +171,12 @@ def test_server_properties_announce_rabbitmqs_capabilities() -> None:
         "per_consumer_qos",
     }  # fmt: skip
     # encodable as connection.start's table
-    start = framing.build_method(commands.Connection.Start, version_major=0, version_minor=9,
+    start = methods.build_method(commands.Connection.Start, version_major=0, version_minor=9,
                                  server_properties=properties, mechanisms="PLAIN AMQPLAIN",
                                  locales="en_US")  # fmt: skip
-    frame = next(framing.FrameReader(0, expect_protocol_header=False).feed(
-        framing.encode_method(0, start)))  # fmt: skip
-    assert isinstance(frame, framing.MethodFrame)
+    frame = next(FrameReader(0, expect_protocol_header=False).feed(
+        writer.encode_method(0, start)))  # fmt: skip
+    assert isinstance(frame, MethodFrame)
     assert isinstance(frame.method, commands.Connection.Start)
     assert frame.method.server_properties["product"] == "Pepsi"
 

@@ -15,7 +15,7 @@ from pepsi.amqp.broker.publish.confirms import Confirm, group_confirms
 from pepsi.amqp.broker.publish.params import lean_params, split
 from pepsi.amqp.broker.publish.properties import parse_expiration, read_properties
 from pepsi.amqp.broker.publish.units import Item
-from pepsi.amqp.wire.framing import decode_properties
+from pepsi.amqp.wire.properties import decode_properties
 from pepsi.amqp.wire.replies import ChannelError
 from pepsi.publishing.message import Row
 

@@ -1,4 +1,4 @@
-"""Exchanges, bindings and routing (pepsi.amqp.model.routing): RabbitMQ 3.x semantics."""
+"""Exchanges, bindings and routing (pepsi.amqp.model: exchanges, topics, routing): RabbitMQ 3.x."""
 
 from __future__ import annotations
 
@@ -8,28 +8,28 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pepsi.amqp.model.routing import (
+from pepsi.amqp.model.exchanges import (
     DIRECT,
     EXCHANGE,
     FANOUT,
     HEADERS,
-    MAX_TOPIC_EXCHANGE_WORDS,
-    MAX_TOPIC_WORDS,
     QUEUE,
     TOPIC,
     Binding,
     Exchange,
-    RoutingTable,
-    TopicMatcher,
     check_binding,
     check_exchange_declare,
     check_exchange_delete,
     check_exchange_type,
-    check_new_binding,
     check_redeclare,
     predeclared,
-    route,
-    routing_keys,
+)
+from pepsi.amqp.model.routing import RoutingTable, route, routing_keys
+from pepsi.amqp.model.topics import (
+    MAX_TOPIC_EXCHANGE_WORDS,
+    MAX_TOPIC_WORDS,
+    TopicMatcher,
+    check_new_binding,
     topic_matches,
     topic_pattern,
     topic_words,

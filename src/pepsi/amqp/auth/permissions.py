@@ -23,7 +23,7 @@ from enum import Enum
 from functools import lru_cache
 
 from pepsi.amqp.auth import passwords
-from pepsi.amqp.wire import framing
+from pepsi.amqp.wire import replies, tables
 from pepsi.errors import PepsiError
 
 DEFAULT_EXCHANGE_RESOURCE = "amq.default"
@@ -141,8 +141,8 @@ def parse_amqplain(response: str | bytes) -> Credentials:
     if len(data) >= 4 and int.from_bytes(data[:4], "big") == len(data) - 4:
         data = data[4:]  # a key's length byte (>0) makes this impossible for a bare table
     try:
-        table = framing.decode_table(data)
-    except framing.FrameError as error:
+        table = tables.decode_table(data)
+    except replies.FrameError as error:
         raise SaslError(f"AMQPLAIN response is not a field table: {error}") from None
     # pamqp gives a long string as str (bytes if not UTF-8), a byte array ('x') as bytearray.
     login, password = (

@@ -36,8 +36,9 @@ from pepsi.amqp.broker.declaring import DeclaringChannel
 from pepsi.amqp.broker.expiry import Expiry
 from pepsi.amqp.broker.publish.batcher import Batcher
 from pepsi.amqp.broker.publish.publishing import PublishingChannel
-from pepsi.amqp.model.arguments import QueueDeclaration, resource
-from pepsi.amqp.model.routing import EXCHANGE, QUEUE
+from pepsi.amqp.model.exchanges import EXCHANGE, QUEUE
+from pepsi.amqp.model.queues import QueueDeclaration
+from pepsi.amqp.model.values import resource
 from pepsi.amqp.session.connection import Channel, ChannelHandler, Connection
 from pepsi.amqp.wire.replies import (
     ACCESS_REFUSED,

@@ -29,8 +29,10 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from pepsi.amqp.model.arguments import QueueArguments, QueueDeclaration, parse_queue_arguments
-from pepsi.amqp.model.routing import EXCHANGE, HEADERS, QUEUE, Binding, Exchange, RoutingTable
+from pepsi.amqp.model.arguments import QueueArguments, parse_queue_arguments
+from pepsi.amqp.model.exchanges import EXCHANGE, HEADERS, QUEUE, Binding, Exchange
+from pepsi.amqp.model.queues import QueueDeclaration
+from pepsi.amqp.model.routing import RoutingTable
 from pepsi.amqp.wire import replies
 from pepsi.db.connect import connect_async
 from pepsi.db.queries import query

@@ -17,16 +17,9 @@ from pamqp import base, commands
 from pepsi.amqp.auth.permissions import Access
 from pepsi.amqp.broker.catalogue import Catalogue, Queue, VhostView
 from pepsi.amqp.broker.consume.consuming import stage_queue_text
-from pepsi.amqp.model.arguments import (
-    QueueDeclaration,
-    check_queue_properties,
-    check_queue_redeclare,
-    declare_queue_name,
-    parse_queue_arguments,
-    resource,
-)
+from pepsi.amqp.model.arguments import parse_queue_arguments
 from pepsi.amqp.model.consumers import Delivery
-from pepsi.amqp.model.routing import (
+from pepsi.amqp.model.exchanges import (
     EXCHANGE,
     QUEUE,
     Binding,
@@ -34,10 +27,17 @@ from pepsi.amqp.model.routing import (
     check_binding,
     check_exchange_declare,
     check_exchange_delete,
-    check_new_binding,
 )
+from pepsi.amqp.model.queues import (
+    QueueDeclaration,
+    check_queue_properties,
+    check_queue_redeclare,
+    declare_queue_name,
+)
+from pepsi.amqp.model.topics import check_new_binding
+from pepsi.amqp.model.values import resource
 from pepsi.amqp.session.connection import ChannelHandler, Connection
-from pepsi.amqp.wire import framing
+from pepsi.amqp.wire import methods
 from pepsi.amqp.wire.replies import ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED, ChannelError
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ class DeclaringChannel(ChannelHandler):
                 consumers = deliverer.registry.count(stage)
                 count += deliverer.ready_count(stage)  # read ahead or loading: still ready
             self._reply(
-                framing.build_method(
+                methods.build_method(
                     commands.Queue.DeclareOk,
                     queue=queue,
                     message_count=count,
@@ -290,7 +290,7 @@ class DeclaringChannel(ChannelHandler):
             loading = deliverer.purge_loading(queue.stage)  # ... and those being loaded
             count = await self.catalogue.purge_queue(queue.stage) + len(ahead) + loading
         if not method.nowait:
-            self._reply(framing.build_method(commands.Queue.PurgeOk, message_count=count))
+            self._reply(methods.build_method(commands.Queue.PurgeOk, message_count=count))
 
     async def queue_delete(self, method: commands.Queue.Delete) -> None:
         with self._method(method):
@@ -317,4 +317,4 @@ class DeclaringChannel(ChannelHandler):
                     )
                 count = await self.broker.delete_queue(self.vhost, name)
         if not method.nowait:
-            self._reply(framing.build_method(commands.Queue.DeleteOk, message_count=count))
+            self._reply(methods.build_method(commands.Queue.DeleteOk, message_count=count))

@@ -60,7 +60,7 @@ import psycopg
 
 from pepsi.amqp.broker.catalogue import Queue
 from pepsi.amqp.broker.ttl import QueueKey, expired_queues, first_use
-from pepsi.amqp.model.arguments import QueueDeclaration
+from pepsi.amqp.model.queues import QueueDeclaration
 from pepsi.amqp.wire.replies import AMQPError
 from pepsi.db.backoff import Backoff
 from pepsi.db.connect import connect_async

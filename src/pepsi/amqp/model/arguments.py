@@ -1,21 +1,11 @@
-"""Queue declaration rules, as RabbitMQ 3.x applies them (issue 16).
+"""Queue arguments: the x-arguments of `queue.declare`, as RabbitMQ 3.x validates them (issue 16).
 
 Pure functions over the arguments table of `queue.declare` (a mapping of
-Python values, as pamqp decodes a field table):
-
-- `parse_queue_arguments` validates the table as RabbitMQ 3.13 does for the
-  queue's type and returns a frozen `QueueArguments`, or raises a 406
-  `ChannelError` whose text is RabbitMQ's
-  ("invalid arg 'x-max-length' for queue 'q' in vhost '/': {value_negative,-1}").
-- `check_queue_properties`: a quorum queue must be durable, not exclusive,
-  not auto-delete.
-- `check_queue_redeclare`: a second declare must match the first.
-- `declare_queue_name` / `generate_queue_name` / `check_queue_name`: the
-  name rules (255 bytes, the reserved `amq.` prefix, server-named queues).
-
-The wire type of a value is not kept by pamqp's decoder, so where RabbitMQ's
-text names a type (`{unacceptable_type,longstr}`, "of type 'signedint'") it
-is inferred from the Python value the way pika encodes it (`field_type`).
+Python values, as pamqp decodes a field table): `parse_queue_arguments`
+validates the table as RabbitMQ 3.13 does for the queue's type and returns a
+frozen `QueueArguments`, or raises a 406 `ChannelError` whose text is RabbitMQ's
+("invalid arg 'x-max-length' for queue 'q' in vhost '/': {value_negative,-1}").
+The rest of a declare (properties, redeclaration, names) is in `queues`.
 
 Decisions where Pepsi differs from RabbitMQ (for docs/amqp.md):
 
@@ -38,21 +28,13 @@ Decisions where Pepsi differs from RabbitMQ (for docs/amqp.md):
 
 from __future__ import annotations
 
-import base64
-import datetime as dt
-import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal
 from types import MappingProxyType
 from typing import Final
 
-from pepsi.amqp.wire.replies import (
-    ACCESS_REFUSED,
-    PRECONDITION_FAILED,
-    RESOURCE_LOCKED,
-    ChannelError,
-)
+from pepsi.amqp.model.values import field_type, resource
+from pepsi.amqp.wire.replies import PRECONDITION_FAILED, ChannelError
 
 CLASSIC: Final = "classic"
 QUORUM: Final = "quorum"
@@ -70,9 +52,6 @@ DEAD_LETTER_STRATEGIES: Final = ("at-most-once", "at-least-once")
 QUEUE_MODES: Final = ("default", "lazy")
 LEADER_LOCATORS: Final = ("client-local", "balanced", "random", "least-leaders")
 
-MAX_NAME_BYTES: Final = 255  # a shortstr
-RESERVED_PREFIX: Final = "amq."
-GENERATED_PREFIX: Final = "amq.gen-"
 MAX_EXPIRY_MS: Final = 315_360_000_000  # ten years: RabbitMQ's bound on TTLs and expiries
 MAX_PRIORITY: Final = 255
 
@@ -113,97 +92,13 @@ _NO_EFFECT: Final = frozenset(
      "x-max-in-memory-bytes"}
 )  # fmt: skip
 
-_INT32: Final = 2**31
 
-
-# -- values and how RabbitMQ prints them -----------------------------------------------
-
-
-_FIELD_TYPES: Final[tuple[tuple[type | tuple[type, ...], str], ...]] = (
-    (bool, "bool"),  # before int: a bool is an int to Python
-    (float, "double"),
-    (Decimal, "decimal"),
-    (str, "longstr"),
-    ((bytes, bytearray, memoryview), "binary"),
-    (dt.datetime, "timestamp"),
-    (Mapping, "table"),
-    ((list, tuple), "array"),
-)
-
-
-def field_type(value: object) -> str:
-    """The AMQP field type RabbitMQ would name for `value` (as pika encodes it)."""
-    if value is None:
-        return "void"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return "signedint" if -_INT32 <= value < _INT32 else "long"
-    for types, name in _FIELD_TYPES:
-        if isinstance(value, types):
-            return name
-    return type(value).__name__
-
-
-def _type_class(kind: str) -> str:
-    # RabbitMQ compares integers of any width as one class.
-    return "int" if kind in {"byte", "short", "signedint", "long"} else kind
-
-
-def value_key(value: object) -> object:
-    """A key equal for two values exactly when RabbitMQ holds them equivalent.
-
-    Python's own equality says True == 1 == 1.0 and "a" != b"a"; RabbitMQ
-    compares (type class, value), so a bool never equals an integer and an
-    integer never equals a float.
-    """
-    kind = _type_class(field_type(value))
-    if isinstance(value, str):
-        return ("longstr", value.encode())
-    if isinstance(value, bytes | bytearray | memoryview):
-        return ("binary", bytes(value))
-    if isinstance(value, Mapping):
-        return (kind, tuple(sorted((str(k), value_key(v)) for k, v in value.items())))
-    if isinstance(value, list | tuple):
-        return (kind, tuple(value_key(v) for v in value))
-    return (kind, value)
-
-
-def _plain(value: object) -> str:
-    # RabbitMQ's ~ts / ~tp rendering of a value, near enough for messages.
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "undefined"
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value).decode("utf-8", "replace")
-    return str(value)
-
-
-def describe_value(value: object, *, present: bool = True) -> str:
-    """A table value as RabbitMQ's equivalence errors print it.
-
-    "the value '10' of type 'signedint'", or "none" for a missing argument.
-    """
-    if not present:
-        return "none"
-    return f"the value '{_plain(value)}' of type '{field_type(value)}'"
+# -- the arguments ---------------------------------------------------------------------
 
 
 def _erl_string(text: str) -> str:
     # How Erlang's ~p prints a printable string: in double quotes.
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def resource(kind: str, name: str, vhost: str) -> str:
-    """RabbitMQ's name for a resource in messages: "queue 'q' in vhost '/'"."""
-    return f"{kind} '{name}' in vhost '{vhost}'"
-
-
-def inequivalent(key: str, what: str, received: str, current: str) -> str:
-    """RabbitMQ's text for a redeclare that does not match (406)."""
-    return f"inequivalent arg '{key}' for {what}: received {received} but current is {current}"
-
-
-# -- the arguments ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -427,156 +322,3 @@ def _opt_int(value: object) -> int | None:
 
 def _opt_str(value: object) -> str | None:
     return value if isinstance(value, str) else None
-
-
-# -- properties and redeclaration ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class QueueDeclaration:
-    """What a `queue.declare` asked for (or what the existing queue was declared with)."""
-
-    name: str
-    vhost: str = "/"
-    durable: bool = True
-    exclusive: bool = False
-    auto_delete: bool = False
-    arguments: Mapping[str, object] = field(default_factory=dict, hash=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "arguments", MappingProxyType(dict(self.arguments)))
-
-
-def check_queue_properties(declaration: QueueDeclaration, queue_type: str) -> None:
-    """A quorum queue must be durable, shared and kept: raise 406 as RabbitMQ does."""
-    if queue_type != QUORUM:
-        return
-    what = resource("queue", declaration.name, declaration.vhost)
-    # RabbitMQ's order: auto-delete, exclusive, then durability.
-    for wrong, prop in (
-        (declaration.auto_delete, "auto-delete"),
-        (declaration.exclusive, "exclusive-owner"),
-        (not declaration.durable or declaration.exclusive, "non-durable"),
-    ):
-        if wrong:
-            raise ChannelError(PRECONDITION_FAILED, f"invalid property '{prop}' for {what}")
-
-
-def _with_default_type(arguments: Mapping[str, object]) -> dict[str, object]:
-    # RabbitMQ 3.13 writes the default type into a declare that names none.
-    table = dict(arguments)
-    table["x-queue-type"] = _requested_type(arguments)
-    return table
-
-
-def check_queue_redeclare(
-    existing: QueueDeclaration, requested: QueueDeclaration, *, same_connection: bool = True
-) -> ChannelError | None:
-    """None when `requested` may redeclare `existing`, else the error to close the channel with.
-
-    Exclusivity first (405 RESOURCE_LOCKED, as RabbitMQ: an exclusive queue
-    belongs to the connection that declared it), then durable, auto_delete
-    and the arguments of the existing queue's type (406). A durable flag on
-    an exclusive declare counts as false, as in RabbitMQ. Arguments no queue
-    type knows are not compared.
-    """
-    what = resource("queue", existing.name, existing.vhost)
-    owner_matches = existing.exclusive == requested.exclusive and (
-        not existing.exclusive or same_connection
-    )
-    if not owner_matches:
-        return ChannelError(
-            RESOURCE_LOCKED,
-            f"cannot obtain exclusive access to locked {what}. It could be originally "
-            "declared on another connection or the exclusive property value does not "
-            "match that of the original declaration.",
-        )
-    durable = requested.durable and not requested.exclusive
-    current_durable = existing.durable and not existing.exclusive
-    for key, current, received in (
-        ("durable", current_durable, durable),
-        ("auto_delete", existing.auto_delete, requested.auto_delete),
-    ):
-        if current != received:
-            return ChannelError(
-                PRECONDITION_FAILED,
-                inequivalent(key, what, f"'{_plain(received)}'", f"'{_plain(current)}'"),
-            )
-    old = _with_default_type(existing.arguments)
-    new = _with_default_type(requested.arguments)
-    old_type = old["x-queue-type"]
-    for key in _ARGUMENTS_BY_TYPE.get(old_type if isinstance(old_type, str) else "", ()):
-        if (error := argument_mismatch(key, what, old, new)) is not None:
-            return error
-    return None
-
-
-def argument_mismatch(
-    key: str, what: str, old: Mapping[str, object], new: Mapping[str, object]
-) -> ChannelError | None:
-    """406 if a redeclare's argument `key` differs from the declared one (present or not)."""
-    if (key in old) == (key in new) and (
-        key not in old or value_key(old[key]) == value_key(new[key])
-    ):
-        return None
-    return ChannelError(
-        PRECONDITION_FAILED,
-        inequivalent(
-            key,
-            what,
-            describe_value(new.get(key), present=key in new),
-            describe_value(old.get(key), present=key in old),
-        ),
-    )
-
-
-# -- names -----------------------------------------------------------------------------
-
-
-def generate_queue_name(randbytes: Callable[[int], bytes] = secrets.token_bytes) -> str:
-    """A server-named queue: 'amq.gen-' and 22 URL-safe characters (128 random bits)."""
-    return GENERATED_PREFIX + base64.urlsafe_b64encode(randbytes(16)).rstrip(b"=").decode()
-
-
-def check_queue_name(name: str, vhost: str = "/") -> None:
-    """Raise 406 if `name` cannot be a queue name: more than 255 bytes of UTF-8."""
-    size = len(name.encode("utf-8", "surrogatepass"))
-    if size > MAX_NAME_BYTES:
-        raise ChannelError(
-            PRECONDITION_FAILED,
-            f"queue name '{name[:64]}...' in vhost '{vhost}' is too long: "
-            f"{size} bytes, at most {MAX_NAME_BYTES}",
-        )
-
-
-def declare_queue_name(
-    name: str,
-    arguments: Mapping[str, object] | None = None,
-    *,
-    passive: bool = False,
-    vhost: str = "/",
-    randbytes: Callable[[int], bytes] = secrets.token_bytes,
-) -> str:
-    """The name a `queue.declare` acts on, or the ChannelError RabbitMQ would raise.
-
-    CR and LF are removed, as RabbitMQ does. An empty name makes a
-    server-named queue ('amq.gen-…'), which RabbitMQ refuses for quorum
-    queues (406). A non-passive declare of a name starting with 'amq.' is
-    refused with 403, even when the queue exists (a server-named queue is
-    redeclared passively, or not at all).
-    """
-    name = name.replace("\r", "").replace("\n", "")
-    check_queue_name(name, vhost)
-    if not name:
-        if passive:
-            return name  # the caller answers 404 or uses the last declared queue
-        queue_type = _requested_type(arguments or {})
-        if queue_type in (QUORUM, STREAM):
-            raise ChannelError(
-                PRECONDITION_FAILED,
-                f"Cannot declare a server-named queue for type {_TYPE_MODULES[str(queue_type)]}",
-            )
-        return generate_queue_name(randbytes)
-    if not passive and name.startswith(RESERVED_PREFIX):
-        raise ChannelError(ACCESS_REFUSED, f"queue name '{name}' contains reserved prefix 'amq.*'")
-    return name

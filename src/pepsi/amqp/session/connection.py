@@ -4,7 +4,7 @@ The layers, from the socket up:
 
 - `Connection` (an `asyncio.Protocol`: no stream copies, and the transport's own
   flow-control callbacks bound both buffers) feeds received bytes to a
-  `framing.FrameReader` and wakes one task per connection, which takes the
+  `FrameReader` and wakes one task per connection, which takes the
   complete frames in order and awaits their handling (a whole basic.publish or
   basic.ack at once, and without a coroutine when its handler can: the hot
   paths). Input is bounded: reading
@@ -73,7 +73,18 @@ from pepsi.amqp.auth.permissions import (
     parse_response,
 )
 from pepsi.amqp.session import memory
-from pepsi.amqp.wire import framing, replies
+from pepsi.amqp.wire import methods, protocol, replies, writer
+from pepsi.amqp.wire.assembler import ContentAssembler
+from pepsi.amqp.wire.frames import (
+    BodyFrame,
+    Content,
+    Frame,
+    HeartbeatFrame,
+    MethodFrame,
+    ProtocolHeaderFrame,
+    RawContentHeader,
+)
+from pepsi.amqp.wire.reader import FrameReader
 from pepsi.config.model import AmqpOptions
 
 log = logging.getLogger("pepsi.amqp")
@@ -173,10 +184,10 @@ def negotiate_tune(
             f"value ({offered_channel_max})",
             **where,
         )
-    if frame_max < framing.FRAME_MIN_SIZE:
+    if frame_max < protocol.FRAME_MIN_SIZE:
         raise replies.AMQPConnectionError(
             replies.NOT_ALLOWED,
-            f"frame_max={frame_max} < {framing.FRAME_MIN_SIZE} min size",
+            f"frame_max={frame_max} < {protocol.FRAME_MIN_SIZE} min size",
             **where,
         )
     if frame_max > offered_frame_max:
@@ -240,13 +251,13 @@ def _reply_text(code: int, text: str) -> str:
     return data[: MAX_REPLY_TEXT - 3].decode("utf-8", "ignore") + "..."
 
 
-def close_for(error: framing.FrameError | replies.AMQPError, channel: int = 0) -> Close:
+def close_for(error: replies.FrameError | replies.AMQPError, channel: int = 0) -> Close:
     """The close for an error: hard codes close the connection, soft ones the channel.
 
     `channel` is where an `AMQPError` happened (a FrameError knows its own). A soft
     error on channel 0 has no channel to close, so it closes the connection.
     """
-    if isinstance(error, framing.FrameError):
+    if isinstance(error, replies.FrameError):
         code, text, where = error.reply_code, error.text, error.channel
         hard, drop = error.hard, error.fatal
     else:
@@ -374,7 +385,7 @@ class ChannelHandler:
     async def basic_cancel(self, method: commands.Basic.Cancel) -> None:
         raise not_implemented(method)
 
-    async def basic_publish(self, content: framing.Content) -> None:
+    async def basic_publish(self, content: Content) -> None:
         raise not_implemented(content.method)
 
     async def publish_started(self, method: base.Frame) -> None:
@@ -384,9 +395,9 @@ class ChannelHandler:
 
     def ack_now(self, tag: int, multiple: bool) -> None:
         """basic.ack without a coroutine (a consumer's hot path): as `basic_ack`."""
-        raise not_implemented(framing.ack_method(tag, multiple))
+        raise not_implemented(methods.ack_method(tag, multiple))
 
-    def publish_now(self, content: framing.Content) -> bool:
+    def publish_now(self, content: Content) -> bool:
         """Handle a publish without awaiting, if possible; False (before doing anything)
         sends it to `basic_publish`. A fast path only: the default always declines."""
         return False
@@ -458,7 +469,7 @@ class Channel:
     def __init__(self, connection: Connection, number: int) -> None:
         self.connection = connection
         self.number = number
-        self.assembler = framing.ContentAssembler(
+        self.assembler = ContentAssembler(
             number, max_message_size=connection.options.amqp.max_message_size
         )
         self.closing = False  # we sent channel.close and wait for close-ok
@@ -466,11 +477,11 @@ class Channel:
         self.reserved = 0  # bytes of PublishMemory its content in progress holds
 
     def send_method(self, method: base.Frame) -> None:
-        self.connection.send(framing.encode_method(self.number, method))
+        self.connection.send(writer.encode_method(self.number, method))
 
     def send_content(self, method: base.Frame, raw_properties: bytes, body: bytes) -> None:
         self.connection.send(
-            framing.encode_content(
+            writer.encode_content(
                 self.number, method, raw_properties, body, self.connection.frame_max
             )
         )
@@ -523,11 +534,11 @@ class Connection(asyncio.Protocol):
         self.client_capabilities: dict[str, Any] = {}
         self.mechanism = ""
         self.channel_max = options.amqp.channel_max
-        self.frame_max = framing.FRAME_MIN_SIZE
+        self.frame_max = protocol.FRAME_MIN_SIZE
         self.heartbeat = 0
         self.channels: dict[int, Channel] = {}
         self.blocked_reason: str | None = None  # as last sent to the client
-        self._reader = framing.FrameReader()
+        self._reader = FrameReader()
         self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
@@ -569,7 +580,7 @@ class Connection(asyncio.Protocol):
             return
         try:
             self._reader.feed(data)
-        except framing.FrameError:
+        except replies.FrameError:
             return  # already failed: the task has answered it and is closing
         if self._reader.buffered > INPUT_BUFFER_FRAMES * (self._reader.frame_max + 8):
             self._input_full = True
@@ -618,7 +629,7 @@ class Connection(asyncio.Protocol):
         self._last_sent = self._loop.time()
 
     def send_method(self, channel: int, method: base.Frame) -> None:
-        self.send(framing.encode_method(channel, method))
+        self.send(writer.encode_method(channel, method))
 
     async def writable(self) -> None:
         """Return when the client reads again (the write buffer is under its mark)."""
@@ -634,7 +645,7 @@ class Connection(asyncio.Protocol):
         if reason is None:
             self.send_method(0, commands.Connection.Unblocked())
         else:
-            self.send_method(0, framing.build_method(commands.Connection.Blocked, reason=reason))
+            self.send_method(0, methods.build_method(commands.Connection.Blocked, reason=reason))
 
     def shutdown(
         self, text: str = "broker forced connection closure with reason 'shutdown'"
@@ -645,7 +656,7 @@ class Connection(asyncio.Protocol):
             return
         self.send_method(
             0,
-            framing.build_method(
+            methods.build_method(
                 commands.Connection.Close,
                 reply_code=replies.CONNECTION_FORCED,
                 reply_text=_reply_text(replies.CONNECTION_FORCED, text),
@@ -711,7 +722,7 @@ class Connection(asyncio.Protocol):
             self._abort()
             return
         if due.send:
-            self.send(framing.HEARTBEAT)
+            self.send(writer.HEARTBEAT)
         self._timers["heartbeat"] = self._loop.call_at(due.next_check, self._heartbeat_tick)
 
     def _close_transport(self) -> None:
@@ -772,7 +783,7 @@ class Connection(asyncio.Protocol):
             await self._close_all_channels()
             self._gone_cb(self)
 
-    def _take_fast(self) -> framing.Content | tuple[int, int, bool] | None:
+    def _take_fast(self) -> Content | tuple[int, int, bool] | None:
         """A whole publish, or an ack as (channel, tag, multiple), when the next frames
         are one on a channel that expects it; None: nothing taken."""
         if self.state is not State.OPEN:
@@ -780,12 +791,12 @@ class Connection(asyncio.Protocol):
         reader = self._reader
         return reader.take_publish(self._takes_publish) or reader.take_ack(self._expects_method)
 
-    def _publish_now(self, content: framing.Content) -> bool:
+    def _publish_now(self, content: Content) -> bool:
         handler = self.channels[content.channel].handler
         assert handler is not None  # checked by _takes_publish
         return handler.publish_now(content)
 
-    async def _publish(self, content: framing.Content) -> bool:
+    async def _publish(self, content: Content) -> bool:
         """A publish the handler could not take without awaiting."""
         await self._channel_result(self.channels[content.channel], content)
         return True
@@ -797,7 +808,7 @@ class Connection(asyncio.Protocol):
         return True
 
     async def _fast_failed(
-        self, taken: framing.Content | tuple[int, int, bool] | None, error: Exception
+        self, taken: Content | tuple[int, int, bool] | None, error: Exception
     ) -> bool:
         """Answer what handling a publish or an ack raised, as `_next` would."""
         if isinstance(error, replies.ChannelError) and taken is not None:
@@ -837,18 +848,16 @@ class Connection(asyncio.Protocol):
             if (
                 channel is None
                 or channel.closing
-                or not isinstance(
-                    frame, framing.MethodFrame | framing.RawContentHeader | framing.BodyFrame
-                )
+                or not isinstance(frame, MethodFrame | RawContentHeader | BodyFrame)
             ):
                 await self._handle(frame)
             else:
                 result = channel.assembler.feed(frame)
                 if result is None:
-                    if not isinstance(frame, framing.BodyFrame):
+                    if not isinstance(frame, BodyFrame):
                         await self._content_started(channel, frame)
                 elif (
-                    type(result) is framing.MethodFrame
+                    type(result) is MethodFrame
                     and type(result.method) is commands.Basic.Ack
                     and channel.handler is not None
                 ):
@@ -864,13 +873,13 @@ class Connection(asyncio.Protocol):
 
     async def _frame_failed(self, error: Exception) -> bool:
         """Answer what handling a frame raised; False when no frame should follow."""
-        if isinstance(error, framing.ProtocolHeaderMismatch):
+        if isinstance(error, replies.ProtocolHeaderMismatch):
             log.info("amqp %s: %s; answering with the 0-9-1 header", self.name, error)
             self.send(error.answer)
             self.state = State.CLOSED
             self._close_transport()
             return False
-        if isinstance(error, framing.FrameError):
+        if isinstance(error, replies.FrameError):
             await self._answer(close_for(error))
             return not error.fatal
         if isinstance(error, replies.AMQPError):
@@ -882,11 +891,11 @@ class Connection(asyncio.Protocol):
         await self._answer(Close(0, replies.INTERNAL_ERROR, text, drop=True))
         return False
 
-    async def _handle(self, frame: framing.Frame) -> None:
-        if isinstance(frame, framing.ProtocolHeaderFrame):
+    async def _handle(self, frame: Frame) -> None:
+        if isinstance(frame, ProtocolHeaderFrame):
             self.send_method(
                 0,
-                framing.build_method(
+                methods.build_method(
                     commands.Connection.Start,
                     version_major=0,
                     version_minor=9,
@@ -897,13 +906,13 @@ class Connection(asyncio.Protocol):
             )
             self.state = State.START_OK
             return
-        if isinstance(frame, framing.HeartbeatFrame):
+        if isinstance(frame, HeartbeatFrame):
             return
         if self.state is State.CLOSING:
             await self._while_closing(frame)
             return
         if frame.channel == 0:
-            assert isinstance(frame, framing.MethodFrame)  # the reader refuses the others
+            assert isinstance(frame, MethodFrame)  # the reader refuses the others
             await self._connection_method(frame.method)
             return
         if self.state is not State.OPEN:
@@ -914,9 +923,9 @@ class Connection(asyncio.Protocol):
             )
         await self._channel_frame(frame)
 
-    async def _while_closing(self, frame: framing.Frame) -> None:
+    async def _while_closing(self, frame: Frame) -> None:
         """After our connection.close only close and close-ok count; the rest is dropped."""
-        if not isinstance(frame, framing.MethodFrame) or frame.channel != 0:
+        if not isinstance(frame, MethodFrame) or frame.channel != 0:
             return
         if isinstance(frame.method, commands.Connection.Close):
             self.send_method(0, commands.Connection.CloseOk())
@@ -988,7 +997,7 @@ class Connection(asyncio.Protocol):
         self.username = username
         self.send_method(
             0,
-            framing.build_method(
+            methods.build_method(
                 commands.Connection.Tune,
                 channel_max=self.options.amqp.channel_max,
                 frame_max=self.options.amqp.frame_max,
@@ -1045,15 +1054,11 @@ class Connection(asyncio.Protocol):
 
     # ---- channels ----------------------------------------------------------------------
 
-    async def _channel_frame(
-        self, frame: framing.MethodFrame | framing.RawContentHeader | framing.BodyFrame
-    ) -> None:
+    async def _channel_frame(self, frame: MethodFrame | RawContentHeader | BodyFrame) -> None:
         number = frame.channel
         channel = self.channels.get(number)
         if channel is None:
-            if isinstance(frame, framing.MethodFrame) and isinstance(
-                frame.method, commands.Channel.Open
-            ):
+            if isinstance(frame, MethodFrame) and isinstance(frame.method, commands.Channel.Open):
                 self._channel_open(number)
                 return
             raise replies.AMQPConnectionError(
@@ -1061,7 +1066,7 @@ class Connection(asyncio.Protocol):
             )
         if channel.closing:
             # after our channel.close the spec has us discard all but close and close-ok
-            if isinstance(frame, framing.MethodFrame):
+            if isinstance(frame, MethodFrame):
                 if isinstance(frame.method, commands.Channel.Close):
                     channel.send_method(commands.Channel.CloseOk())
                 elif isinstance(frame.method, commands.Channel.CloseOk):
@@ -1070,20 +1075,20 @@ class Connection(asyncio.Protocol):
         result = channel.assembler.feed(frame)
         if result is not None:
             await self._channel_result(channel, result)
-        elif not isinstance(frame, framing.BodyFrame):
+        elif not isinstance(frame, BodyFrame):
             await self._content_started(channel, frame)
 
     async def _content_started(
-        self, channel: Channel, frame: framing.MethodFrame | framing.RawContentHeader
+        self, channel: Channel, frame: MethodFrame | RawContentHeader
     ) -> None:
         """A publish's method or header was just taken: refuse it, if it is to be
         refused, before any of its body is kept (issue 34)."""
         try:
-            if type(frame) is framing.RawContentHeader:
+            if type(frame) is RawContentHeader:
                 if frame.body_size:
                     await self._reserve(channel, frame.body_size)
             elif channel.handler is not None:
-                await channel.handler.publish_started(cast(framing.MethodFrame, frame).method)
+                await channel.handler.publish_started(cast(MethodFrame, frame).method)
         except replies.ChannelError as error:
             await self._answer(close_for(error, channel.number))
 
@@ -1111,12 +1116,10 @@ class Connection(asyncio.Protocol):
             self._held -= channel.reserved
             channel.reserved = 0
 
-    async def _channel_result(
-        self, channel: Channel, result: framing.MethodFrame | framing.Content
-    ) -> None:
+    async def _channel_result(self, channel: Channel, result: MethodFrame | Content) -> None:
         number = channel.number
         try:
-            if isinstance(result, framing.Content):
+            if isinstance(result, Content):
                 try:
                     await self._dispatch(channel, result.method, result)
                 finally:
@@ -1152,14 +1155,14 @@ class Connection(asyncio.Protocol):
             if not method.active:
                 # RabbitMQ 3.x no longer lets a client stop its deliveries this way
                 raise replies.AMQPConnectionError(replies.NOT_IMPLEMENTED, "active=false", 20, 20)
-            channel.send_method(framing.build_method(commands.Channel.FlowOk, active=True))
+            channel.send_method(methods.build_method(commands.Channel.FlowOk, active=True))
         elif isinstance(method, commands.Channel.FlowOk):
             pass  # we never send channel.flow
         else:
             await self._dispatch(channel, method, None)
 
     async def _dispatch(
-        self, channel: Channel, method: base.Frame, content: framing.Content | None
+        self, channel: Channel, method: base.Frame, content: Content | None
     ) -> None:
         """The one dispatch point for channel-level methods (CHANNEL_METHODS)."""
         name = CHANNEL_METHODS.get(type(method))
@@ -1220,7 +1223,7 @@ class Connection(asyncio.Protocol):
 
     @staticmethod
     def _close_method(method_class: type[base.Frame], close: Close) -> base.Frame:
-        return framing.build_method(
+        return methods.build_method(
             method_class,
             reply_code=close.code,
             reply_text=close.text,

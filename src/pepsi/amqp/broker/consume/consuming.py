@@ -17,11 +17,11 @@ from pamqp import base, commands
 from pepsi.amqp.auth.permissions import Access
 from pepsi.amqp.broker.catalogue import Queue, VhostView
 from pepsi.amqp.broker.consume.fetched import Fetched
-from pepsi.amqp.model.arguments import resource
 from pepsi.amqp.model.consumers import ChannelBook, Consumer, Delivery, UnknownTag
-from pepsi.amqp.model.routing import QUEUE
+from pepsi.amqp.model.exchanges import QUEUE
+from pepsi.amqp.model.values import resource
 from pepsi.amqp.session.connection import Channel, ChannelHandler
-from pepsi.amqp.wire import framing
+from pepsi.amqp.wire import methods, writer
 from pepsi.amqp.wire.replies import (
     ACCESS_REFUSED,
     NOT_ALLOWED,
@@ -128,14 +128,14 @@ class ConsumingChannel(ChannelHandler):
         if consumer_tag is None:
             if len(self._consumer_tags) >= ENCODED_CACHE:
                 self._consumer_tags.clear()
-            consumer_tag = self._consumer_tags[consumer.tag] = framing.shortstr(consumer.tag)
+            consumer_tag = self._consumer_tags[consumer.tag] = writer.shortstr(consumer.tag)
         key = (fetched.exchange, fetched.routing_key)
         routing = _ROUTING_FIELDS.get(key)
         if routing is None:
             if len(_ROUTING_FIELDS) >= ENCODED_CACHE:
                 _ROUTING_FIELDS.clear()
-            routing = _ROUTING_FIELDS[key] = framing.routing_fields(*key)
-        return framing.encode_deliver_fields(
+            routing = _ROUTING_FIELDS[key] = writer.routing_fields(*key)
+        return writer.encode_deliver_fields(
             self.channel.number, consumer_tag, tag, fetched.redelivered, routing,
             raw_properties=fetched.raw_properties, body=fetched.body,
             frame_max=self.channel.connection.frame_max,
@@ -149,7 +149,7 @@ class ConsumingChannel(ChannelHandler):
         consumer_cancel_notify); others just stop receiving."""
         if self.open and self.channel.connection.client_capabilities.get("consumer_cancel_notify"):
             self.channel.send_method(
-                framing.build_method(commands.Basic.Cancel, consumer_tag=consumer.tag, nowait=True)
+                methods.build_method(commands.Basic.Cancel, consumer_tag=consumer.tag, nowait=True)
             )
 
     def _take(self, tag: int, multiple: bool, method: type[base.Frame]) -> list[Delivery]:
@@ -199,7 +199,7 @@ class ConsumingChannel(ChannelHandler):
             self.broker.deliverer.queues[queue.stage] = queue
             registry.add(consumer)
         if not method.nowait:
-            self._reply(framing.build_method(commands.Basic.ConsumeOk, consumer_tag=tag))
+            self._reply(methods.build_method(commands.Basic.ConsumeOk, consumer_tag=tag))
         self.broker.deliverer.pump(queue.stage)  # others of the queue may have read ahead
         self.broker.deliverer.link.wake("amqp")
 
@@ -209,7 +209,7 @@ class ConsumingChannel(ChannelHandler):
             self._cancel(consumer)
         if not method.nowait:
             self._reply(
-                framing.build_method(commands.Basic.CancelOk, consumer_tag=method.consumer_tag)
+                methods.build_method(commands.Basic.CancelOk, consumer_tag=method.consumer_tag)
             )
 
     def _cancel(self, consumer: Consumer, *, delete_now: bool = True) -> str | None:
@@ -257,7 +257,7 @@ class ConsumingChannel(ChannelHandler):
         fetched, ready = got
         tag = self.book.new_tag()
         self.channel.send_content(
-            framing.build_method(
+            methods.build_method(
                 commands.Basic.GetOk,
                 delivery_tag=tag,
                 redelivered=fetched.redelivered,

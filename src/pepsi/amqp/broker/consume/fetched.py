@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 
 from pamqp import commands
 
-from pepsi.amqp.wire import framing, headers
+from pepsi.amqp.wire import dead_letters, headers
+from pepsi.amqp.wire.properties import encode_properties
 
 EMPTY_PROPERTIES = b"\x00\x00"  # a row without a stored content header: no properties
 
@@ -58,7 +59,7 @@ def fetched_row(row: Sequence[Any], queue_name: str, quorum: bool = True) -> Fet
         if count and quorum:
             entries["x-delivery-count"] = count
         if deaths:
-            entries.update(headers.death_headers(deaths, first))
+            entries.update(dead_letters.death_headers(deaths, first))
             raw = headers.without_expiration(raw)  # RabbitMQ: in x-death's original-expiration
         raw = headers.set_headers(raw, entries)
     return Fetched(
@@ -88,7 +89,7 @@ def pipeline_properties(
     }
     if header is not None:
         table["x-pepsi-header"] = bytes(header)
-    raw = framing.encode_properties(
+    raw = encode_properties(
         commands.Basic.Properties(
             content_type=_short(content_type),
             message_id=_short(message_id),

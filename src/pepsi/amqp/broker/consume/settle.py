@@ -25,7 +25,8 @@ from pepsi.amqp.broker.catalogue import Queue
 from pepsi.amqp.broker.consume.outcomes import SETTLE_GATHER_SECONDS, Outcomes, worth_gathering
 from pepsi.amqp.broker.consume.state import AConn, DelivererState, id_array, quorum_queue
 from pepsi.amqp.model.consumers import Delivery
-from pepsi.amqp.wire import framing, headers
+from pepsi.amqp.wire import dead_letters, headers
+from pepsi.amqp.wire.properties import decode_properties
 from pepsi.db.queries import query
 from pepsi.errors import PepsiError, one_line
 
@@ -202,12 +203,14 @@ class Settle(DelivererState):
         deaths = list(state.get("x_death") or [])
         if not deaths and header is not None:
             with contextlib.suppress(ValueError):
-                deaths = headers.deaths_from_header(headers.header_entry(bytes(header), "x-death"))
+                deaths = dead_letters.deaths_from_header(
+                    headers.header_entry(bytes(header), "x-death")
+                )
         expiration = None
         if header is not None:
             with contextlib.suppress(ValueError):
                 expiration = headers.expiration(bytes(header))
-        deaths = headers.record_death(
+        deaths = dead_letters.record_death(
             deaths,
             queue=queue.name if queue is not None else stage,
             reason=reason,
@@ -227,7 +230,7 @@ class Settle(DelivererState):
             decoded = None
             if header is not None:
                 with contextlib.suppress(ValueError):
-                    decoded = framing.decode_properties(bytes(header)).headers
+                    decoded = decode_properties(bytes(header)).headers
             stages, ttls = await self.dead_letter_route(
                 stage, args.dead_letter_exchange, keys, decoded
             )

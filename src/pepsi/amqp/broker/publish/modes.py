@@ -18,7 +18,8 @@ from pamqp import base, commands
 from pepsi.amqp.broker.publish.confirms import group_confirms
 from pepsi.amqp.broker.publish.units import Item, Unit
 from pepsi.amqp.session.connection import Channel, ChannelHandler, Connection, close_for
-from pepsi.amqp.wire import framing
+from pepsi.amqp.wire import methods, writer
+from pepsi.amqp.wire.frames import Content
 from pepsi.amqp.wire.replies import (
     INTERNAL_ERROR,
     PRECONDITION_FAILED,
@@ -58,7 +59,7 @@ class PublishModes(ChannelHandler):
         super().__init__(channel)
         self.confirms: _Confirms | None = None
         self.tx: list[Item] | None = None  # tx mode: publishes held until tx.commit
-        self.tx_returns: list[framing.Content] = []
+        self.tx_returns: list[Content] = []
         self._settled: list[tuple[int, bool]] = []
         self._flush_scheduled = False
 
@@ -66,7 +67,7 @@ class PublishModes(ChannelHandler):
     def _reply(self, method: base.Frame) -> None:
         raise NotImplementedError
 
-    def _return(self, content: framing.Content) -> None:
+    def _return(self, content: Content) -> None:
         raise NotImplementedError
 
     # ---- confirm and tx modes --------------------------------------------------------------
@@ -152,7 +153,7 @@ class PublishModes(ChannelHandler):
             if not confirm.ok:
                 fields["requeue"] = False
             frames.append(
-                framing.encode_method(self.channel.number, framing.build_method(cls, **fields))
+                writer.encode_method(self.channel.number, methods.build_method(cls, **fields))
             )
         if frames:  # one transport write for the whole flush
             self.channel.connection.send(b"".join(frames))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from pepsi.amqp.model.arguments import MAX_EXPIRY_MS
-from pepsi.amqp.wire import framing
+from pepsi.amqp.wire import tables
 from pepsi.amqp.wire.replies import PRECONDITION_FAILED, ChannelError
 
 # The content header's property flags (class basic), high bit first, and what each holds:
@@ -66,12 +66,12 @@ class Properties:
     priority: int = 0  # 0 as well when absent
 
     def decoded_headers(self) -> dict[str, Any] | None:
-        return None if self.headers is None else framing.decode_table(self.headers)
+        return None if self.headers is None else tables.decode_table(self.headers)
 
 
 def read_properties(raw: bytes) -> Properties:
     """The fields the broker uses, read from property octets whose structure the frame
-    reader has checked (`framing`); ValueError if they are malformed after all."""
+    reader has checked (`reader`); ValueError if they are malformed after all."""
     try:
         flags = int.from_bytes(raw[:2], "big")
         pos = 2

@@ -24,9 +24,10 @@ from pepsi.amqp.broker.publish.columns import column_peer, column_text, routing_
 from pepsi.amqp.broker.publish.properties import Properties, parse_expiration, read_properties
 from pepsi.amqp.broker.publish.units import Item, Unit
 from pepsi.amqp.broker.ttl import ttl_expires
-from pepsi.amqp.model.routing import EXCHANGE
+from pepsi.amqp.model.exchanges import EXCHANGE
 from pepsi.amqp.session.connection import Channel
-from pepsi.amqp.wire import framing, replies
+from pepsi.amqp.wire import methods, replies
+from pepsi.amqp.wire.frames import Content
 from pepsi.amqp.wire.replies import (
     NOT_IMPLEMENTED,
     PRECONDITION_FAILED,
@@ -122,13 +123,13 @@ class PublishingChannel(modes.PublishModes):
 
     # ---- publishing ----------------------------------------------------------------------
 
-    def _return(self, content: framing.Content) -> None:
+    def _return(self, content: Content) -> None:
         method = content.method
         assert isinstance(method, commands.Basic.Publish)
         if not self.open:
             return
         self.channel.send_content(
-            framing.build_method(
+            methods.build_method(
                 commands.Basic.Return,
                 reply_code=replies.NO_ROUTE,
                 reply_text="NO_ROUTE",
@@ -139,7 +140,7 @@ class PublishingChannel(modes.PublishModes):
             content.body,
         )
 
-    async def basic_publish(self, content: framing.Content) -> None:
+    async def basic_publish(self, content: Content) -> None:
         method = content.method
         assert isinstance(method, commands.Basic.Publish)
         try:  # not a context manager: this is the path of every publish
@@ -168,7 +169,7 @@ class PublishingChannel(modes.PublishModes):
             _as_publish_error(error)
             raise
 
-    def publish_now(self, content: framing.Content) -> bool:
+    def publish_now(self, content: Content) -> bool:
         """`basic_publish` without awaiting anything, when nothing needs to be awaited
         (the vhost's catalogue is in memory, the batcher has room); False otherwise,
         before anything is done: then the connection awaits `basic_publish`."""
@@ -198,7 +199,7 @@ class PublishingChannel(modes.PublishModes):
             self._writable.add(exchange)  # the connection's permission does not change
 
     def _publish_unit(
-        self, content: framing.Content, method: commands.Basic.Publish, view: VhostView
+        self, content: Content, method: commands.Basic.Publish, view: VhostView
     ) -> Unit | None:
         """Route the publish; the unit to submit, or None (in a transaction, or nothing
         to write and no confirm to send)."""
@@ -214,9 +215,7 @@ class PublishingChannel(modes.PublishModes):
             return Unit([item], self._unconfirmed)
         return None
 
-    def _route(
-        self, content: framing.Content, method: commands.Basic.Publish, view: VhostView
-    ) -> Item:
+    def _route(self, content: Content, method: commands.Basic.Publish, view: VhostView) -> Item:
         exchange, routing_key = str(method.exchange), str(method.routing_key)
         raw = content.raw_properties
         last = self._last_rows
@@ -272,7 +271,7 @@ class PublishingChannel(modes.PublishModes):
         return route
 
     def _properties(
-        self, content: framing.Content, view: VhostView
+        self, content: Content, view: VhostView
     ) -> tuple[Properties, dict[str, Any] | None, dt.datetime | None]:
         """The properties, the headers if routing needs them, and when the message expires."""
         raw = content.raw_properties
@@ -311,7 +310,7 @@ class PublishingChannel(modes.PublishModes):
 
     def _item(
         self,
-        content: framing.Content,
+        content: Content,
         view: VhostView,
         route: Route,
         props: Properties,
