@@ -60,7 +60,9 @@ from pepsi.amqp.model.routing import (
     check_exchange_delete,
     check_new_binding,
 )
-from pepsi.amqp.session.connection import Channel, ChannelHandler, Connection, close_for
+from pepsi.amqp.session.closing import close_for
+from pepsi.amqp.session.connection import Connection
+from pepsi.amqp.session.handler import Channel, ChannelHandler
 from pepsi.amqp.wire import framing, replies
 from pepsi.amqp.wire.replies import (
     ACCESS_REFUSED,

@@ -20,7 +20,7 @@ from pepsi.amqp.broker.delivery import Fetched
 from pepsi.amqp.model.arguments import resource
 from pepsi.amqp.model.consumers import ChannelBook, Consumer, Delivery, UnknownTag
 from pepsi.amqp.model.routing import QUEUE
-from pepsi.amqp.session.connection import Channel, ChannelHandler
+from pepsi.amqp.session.handler import Channel, ChannelHandler
 from pepsi.amqp.wire import framing
 from pepsi.amqp.wire.replies import (
     ACCESS_REFUSED,
