@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from pamqp import base, commands
 
@@ -24,6 +24,10 @@ if TYPE_CHECKING:
     from pepsi.amqp.session.connection import Connection
 
 log = logging.getLogger("pepsi.amqp")
+
+# CHANNEL_METHODS' lookup, bound once: CPython 3.11 calls a method of an imported name
+# through a new bound-method object each time (no LOAD_METHOD), and this is per method.
+_handler_name: Final = CHANNEL_METHODS.get
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,7 @@ class ChannelTable(ContentIntake):
         self, channel: Channel, method: base.Frame, content: framing.Content | None
     ) -> None:
         """The one dispatch point for channel-level methods (CHANNEL_METHODS)."""
-        name = CHANNEL_METHODS.get(type(method))
+        name = _handler_name(type(method))
         if name is None:  # a method only servers send, or connection.* on a channel
             raise replies.AMQPConnectionError(
                 replies.COMMAND_INVALID,
