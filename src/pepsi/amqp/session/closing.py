@@ -139,7 +139,7 @@ class Closing(Shell):
         self.state = State.CLOSING
         self._close_transport()
 
-    # ---- provided by channels.ChannelTable ----------------------------------------------
+    # ---- provided by channels.ChannelTable -------------------------------------------
 
     async def _channel_closed(self, channel: Channel) -> None:
         raise NotImplementedError

@@ -1,8 +1,8 @@
 """What the handshake decides: admission, tune, heartbeats, server properties, logins.
 
-Pure decisions (tests/unit/test_amqp_negotiation.py covers them), as RabbitMQ takes
-them, and the `Gatekeeper` seam that decides logins and vhost access (`server.
-Catalogue` over PostgreSQL). `handshake.Handshake` asks them on a connection.
+Pure decisions, as RabbitMQ takes them (tests/unit/test_amqp_negotiation.py covers
+them), and the `Gatekeeper` seam that decides logins and vhost access (the
+server's `Catalogue` over PostgreSQL). `handshake.Handshake` asks them.
 """
 
 from __future__ import annotations

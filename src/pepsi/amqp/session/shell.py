@@ -279,7 +279,7 @@ class Shell(asyncio.Protocol):
         """Drop the socket now, whatever is still buffered."""
         self._abort()
 
-    # ---- provided by connection.Connection --------------------------------------------------
+    # ---- provided by connection.Connection -------------------------------------------
 
     async def _run(self) -> None:
         """The frame loop (`connection.Connection`)."""
