@@ -35,8 +35,8 @@ from pamqp import commands
 
 from pepsi.admin.accounts import amqp_users
 from pepsi.amqp.broker.broker import Broker
-from pepsi.amqp.session.connection import ConnectionOptions
 from pepsi.amqp.session.server import serve
+from pepsi.amqp.session.shell import ConnectionOptions
 from pepsi.amqp.wire import methods, protocol, writer
 from pepsi.amqp.wire.frames import MethodFrame
 from pepsi.amqp.wire.reader import FrameReader

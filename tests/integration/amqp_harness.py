@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 import pytest
 from pamqp import base, commands
 
-from pepsi.amqp.session.connection import ConnectionOptions
 from pepsi.amqp.session.server import Server, serve
+from pepsi.amqp.session.shell import ConnectionOptions
 from pepsi.amqp.wire import methods, protocol, writer
 from pepsi.amqp.wire.frames import Frame, HeartbeatFrame, MethodFrame
 from pepsi.amqp.wire.reader import FrameReader

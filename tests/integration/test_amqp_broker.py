@@ -19,7 +19,7 @@ from pika.spec import BasicProperties
 
 from pepsi.admin.accounts import amqp_users
 from pepsi.amqp.broker.broker import Broker
-from pepsi.amqp.session.connection import ConnectionOptions
+from pepsi.amqp.session.shell import ConnectionOptions
 from pepsi.config.model import AmqpOptions
 from tests.integration.amqp_harness import PASSWORD, Listener, assert_no_server_bugs
 

@@ -22,12 +22,9 @@ from hypothesis import strategies as st
 from pamqp import commands
 
 from pepsi.admin.accounts import amqp_users
-from pepsi.amqp.session.connection import (
-    Channel,
-    ChannelHandler,
-    ConnectionOptions,
-    connection_refusal,
-)
+from pepsi.amqp.session.handler import Channel, ChannelHandler
+from pepsi.amqp.session.negotiation import connection_refusal
+from pepsi.amqp.session.shell import ConnectionOptions
 from pepsi.amqp.wire import methods, protocol, writer
 from pepsi.amqp.wire.frames import HeartbeatFrame
 from pepsi.config.model import AmqpOptions

@@ -15,8 +15,8 @@ from pamqp import commands
 
 from pepsi.admin.accounts import amqp_users
 from pepsi.amqp.broker.broker import Broker
-from pepsi.amqp.session.connection import ConnectionOptions
 from pepsi.amqp.session.memory import MIB, refusal
+from pepsi.amqp.session.shell import ConnectionOptions
 from pepsi.amqp.wire import methods, protocol, writer
 from pepsi.config.model import AmqpOptions
 from tests.integration.amqp_harness import PASSWORD, Listener, Raw, assert_no_server_bugs

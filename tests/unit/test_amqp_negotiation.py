@@ -10,19 +10,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pamqp import commands
 
-from pepsi.amqp.session.connection import (
+from pepsi.amqp.session.channels import Refusal, channel_open_problem
+from pepsi.amqp.session.closing import Close, close_for
+from pepsi.amqp.session.handler import (
     CHANNEL_METHODS,
     ChannelHandler,
-    Close,
-    Refusal,
-    channel_open_problem,
-    close_for,
-    heartbeat_due,
     method_label,
-    negotiate_tune,
     not_implemented,
-    server_properties,
 )
+from pepsi.amqp.session.negotiation import heartbeat_due, negotiate_tune, server_properties
 from pepsi.amqp.wire import methods, protocol, replies, writer
 from pepsi.amqp.wire.frames import MethodFrame
 from pepsi.amqp.wire.reader import FrameReader

@@ -1,7 +1,7 @@
 """The broker behind the listener, and its channels (issue 16).
 
 `Broker` is what `Server(broker=...)` asks for a `ChannelHandler` per opened
-channel (the seam in connection.py). It owns:
+channel (the seam in `session/handler.py`). It owns:
 
 - a `catalogue.Catalogue`: exchanges, queues and bindings in PostgreSQL, a cached
   view and `RoutingTable` per vhost;
@@ -39,7 +39,8 @@ from pepsi.amqp.broker.publish.publishing import PublishingChannel
 from pepsi.amqp.model.exchanges import EXCHANGE, QUEUE
 from pepsi.amqp.model.queues import QueueDeclaration
 from pepsi.amqp.model.values import resource
-from pepsi.amqp.session.connection import Channel, ChannelHandler, Connection
+from pepsi.amqp.session.connection import Connection
+from pepsi.amqp.session.handler import Channel, ChannelHandler
 from pepsi.amqp.wire.replies import (
     ACCESS_REFUSED,
     NOT_FOUND,

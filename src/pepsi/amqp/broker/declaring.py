@@ -36,7 +36,8 @@ from pepsi.amqp.model.queues import (
 )
 from pepsi.amqp.model.topics import check_new_binding
 from pepsi.amqp.model.values import resource
-from pepsi.amqp.session.connection import ChannelHandler, Connection
+from pepsi.amqp.session.connection import Connection
+from pepsi.amqp.session.handler import ChannelHandler
 from pepsi.amqp.wire import methods
 from pepsi.amqp.wire.replies import ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED, ChannelError
 

@@ -24,14 +24,11 @@ from typing import Any
 import psycopg
 
 from pepsi.amqp.auth.permissions import Credentials, Permission, can_open_vhost, login_refusal
-from pepsi.amqp.session.connection import (
-    Broker,
-    Connection,
-    ConnectionOptions,
-    NoBroker,
-    connection_refusal,
-)
+from pepsi.amqp.session.connection import Connection
+from pepsi.amqp.session.handler import Broker, NoBroker
 from pepsi.amqp.session.memory import PublishMemory
+from pepsi.amqp.session.negotiation import connection_refusal
+from pepsi.amqp.session.shell import ConnectionOptions
 from pepsi.amqp.wire import replies
 from pepsi.db.connect import connect_async
 from pepsi.db.queries import query

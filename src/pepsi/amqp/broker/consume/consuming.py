@@ -20,7 +20,7 @@ from pepsi.amqp.broker.consume.fetched import Fetched
 from pepsi.amqp.model.consumers import ChannelBook, Consumer, Delivery, UnknownTag
 from pepsi.amqp.model.exchanges import QUEUE
 from pepsi.amqp.model.values import resource
-from pepsi.amqp.session.connection import Channel, ChannelHandler
+from pepsi.amqp.session.handler import Channel, ChannelHandler
 from pepsi.amqp.wire import methods, writer
 from pepsi.amqp.wire.replies import (
     ACCESS_REFUSED,

@@ -17,7 +17,9 @@ from pamqp import base, commands
 
 from pepsi.amqp.broker.publish.confirms import group_confirms
 from pepsi.amqp.broker.publish.units import Item, Unit
-from pepsi.amqp.session.connection import Channel, ChannelHandler, Connection, close_for
+from pepsi.amqp.session.closing import close_for
+from pepsi.amqp.session.connection import Connection
+from pepsi.amqp.session.handler import Channel, ChannelHandler
 from pepsi.amqp.wire import methods, writer
 from pepsi.amqp.wire.frames import Content
 from pepsi.amqp.wire.replies import (
@@ -166,5 +168,5 @@ class PublishModes(ChannelHandler):
         close = close_for(
             AMQPConnectionError(INTERNAL_ERROR, "a publish could not be stored", 60, 40)
         )
-        # The connection's own way to send a close and drop the channels (connection.py).
+        # The connection's own way to send a close and drop the channels (session/closing.py).
         self.broker.spawn(self.connection._answer(close))

@@ -25,7 +25,7 @@ from pepsi.amqp.broker.publish.properties import Properties, parse_expiration, r
 from pepsi.amqp.broker.publish.units import Item, Unit
 from pepsi.amqp.broker.ttl import ttl_expires
 from pepsi.amqp.model.exchanges import EXCHANGE
-from pepsi.amqp.session.connection import Channel
+from pepsi.amqp.session.handler import Channel
 from pepsi.amqp.wire import methods, replies
 from pepsi.amqp.wire.frames import Content
 from pepsi.amqp.wire.replies import (
