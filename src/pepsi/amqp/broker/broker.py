@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 from pamqp import base
 
@@ -214,7 +214,8 @@ class BrokerChannel(DeclaringChannel, PublishingChannel, ConsumingChannel):
         self.broker = broker
         super().__init__(channel)
         self.catalogue = broker.catalogue
-        conn = channel.connection
+        # every channel lives on a session Connection; the seam names it by its members
+        conn = cast(Connection, channel.connection)
         self.connection = conn
         self.vhost = conn.vhost or "/"
         self.user = conn.username or ""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import Any, Final
 
 from pamqp import base, commands
 
@@ -20,9 +20,6 @@ from pepsi.amqp.session.content import ContentIntake
 from pepsi.amqp.session.handler import CHANNEL_METHODS, Channel
 from pepsi.amqp.wire import methods, replies
 from pepsi.amqp.wire.frames import BodyFrame, Content, MethodFrame, RawContentHeader
-
-if TYPE_CHECKING:
-    from pepsi.amqp.session.connection import Connection
 
 log = logging.getLogger("pepsi.amqp")
 
@@ -98,7 +95,7 @@ class ChannelTable(ContentIntake):
         )
         if problem is not None:
             raise replies.AMQPConnectionError(problem.code, problem.text, 20, 10)
-        channel = Channel(cast("Connection", self), number)  # the one class of these layers
+        channel = Channel(self, number)
         channel.handler = self.broker.channel_handler(channel)
         self.channels[number] = channel
         channel.send_method(commands.Channel.OpenOk())

@@ -10,16 +10,45 @@ its content assembly, and the connection it sends on.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import Any, Final, Protocol
 
 from pamqp import base, commands
 
+from pepsi.amqp.auth.permissions import Permission
 from pepsi.amqp.wire import methods, replies, writer
 from pepsi.amqp.wire.assembler import ContentAssembler
 from pepsi.amqp.wire.frames import Content
+from pepsi.config.model import AmqpOptions
 
-if TYPE_CHECKING:
-    from pepsi.amqp.session.connection import Connection
+
+class OwnerOptions(Protocol):
+    """The options a channel reads (a `shell.ConnectionOptions`)."""
+
+    @property
+    def amqp(self) -> AmqpOptions: ...
+
+
+class Owner(Protocol):
+    """What a channel and its handler ask of the connection they live on (a `Connection`:
+    named by its members so that this seam imports none of the layers built on it)."""
+
+    @property
+    def options(self) -> OwnerOptions: ...
+
+    @property
+    def frame_max(self) -> int: ...
+
+    @property
+    def peer(self) -> str | None: ...
+
+    @property
+    def permission(self) -> Permission | None: ...
+
+    @property
+    def client_capabilities(self) -> dict[str, Any]: ...
+
+    def send(self, data: bytes) -> None: ...
+
 
 # Every method a client sends on an open channel, except channel.*, to the name of the
 # ChannelHandler coroutine that takes it. basic.publish gets the whole Content.
@@ -181,7 +210,7 @@ class Channel:
 
     __slots__ = ("assembler", "closing", "connection", "handler", "number", "reserved")
 
-    def __init__(self, connection: Connection, number: int) -> None:
+    def __init__(self, connection: Owner, number: int) -> None:
         self.connection = connection
         self.number = number
         self.assembler = ContentAssembler(

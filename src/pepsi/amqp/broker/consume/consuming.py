@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from pamqp import base, commands
 
@@ -20,6 +20,7 @@ from pepsi.amqp.broker.consume.fetched import Fetched
 from pepsi.amqp.model.consumers import ChannelBook, Consumer, Delivery, UnknownTag
 from pepsi.amqp.model.exchanges import QUEUE
 from pepsi.amqp.model.values import resource
+from pepsi.amqp.session.connection import Connection
 from pepsi.amqp.session.handler import Channel, ChannelHandler
 from pepsi.amqp.wire import methods, writer
 from pepsi.amqp.wire.replies import (
@@ -78,7 +79,7 @@ class ConsumingChannel(ChannelHandler):
 
     def __init__(self, channel: Channel) -> None:
         super().__init__(channel)
-        connection = channel.connection
+        connection = cast(Connection, channel.connection)  # the seam names it by its members
         self.book = ChannelBook(writable=connection.writable_now, owner=self)
         deliverer = self.broker.deliverer
         deliverer.books.add(self.book)
