@@ -71,10 +71,6 @@ from race_peers import (
     Contestant,
     CpuProbe,
     Pepsi,
-    PgQueuer,
-    Procrastinate,
-    RabbitBroker,
-    RabbitMQ,
     RawSql,
     Shared,
     StampSocket,
@@ -84,8 +80,17 @@ from race_peers import (
     postmaster_pid,
     server_dsn,
 )
+from race_rivals import PgQueuer, Procrastinate, RabbitMQ
 
-WORKLOADS = ("drain", "drain3", "latency", "publish_one", "publish_batch", "fairness")
+WORKLOADS = (
+    "drain",
+    "drain_preloaded",
+    "drain3",
+    "latency",
+    "publish_one",
+    "publish_batch",
+    "fairness",
+)
 PEERS = ("pgqueuer", "procrastinate", "rabbitmq")  # labels starting with these are peers
 SUSTAINED_BACKLOG = 20_000
 MAX_FAILURES = 2  # failed reps before a contestant is dropped from a workload
@@ -94,16 +99,25 @@ MAX_FAILURES = 2  # failed reps before a contestant is dropped from a workload
 # -- the line-ups -------------------------------------------------------------
 
 
+def pgqueuer_lineup(shared: Shared) -> list[Contestant]:
+    """pgqueuer at its defaults, and at its best setting in bench/peer_sweep.py."""
+    return [PgQueuer(shared, 1), PgQueuer(shared, 4)]
+
+
+def rabbitmq_lineup(shared: Shared) -> list[Contestant]:
+    """RabbitMQ's quorum queue at prefetch 100, and its best setting in bench/peer_sweep.py."""
+    return [RabbitMQ(shared)]
+
+
 def lineup(workload: str, shared: Shared, args: argparse.Namespace) -> list[Contestant]:
     """The contestants of one workload, in the order they run within a rep."""
     conc = args.procrastinate_concurrency[0]
-    if workload == "drain":
+    if workload in {"drain", "drain_preloaded"}:
         return [
             Pepsi(shared, "Pepsi", Pepsi.config_text()),
-            PgQueuer(shared, 1),
-            PgQueuer(shared, 4),
+            *pgqueuer_lineup(shared),
             *(Procrastinate(shared, c) for c in args.procrastinate_concurrency),
-            RabbitMQ(shared),
+            *rabbitmq_lineup(shared),
             RawSql(shared, 1),
             RawSql(shared, 2),
         ]
@@ -203,6 +217,9 @@ def one_rep(
     c.warm()
     if workload in {"drain", "drain3", "fairness"}:
         return timed_run(c, c.drain, args.messages, pm)
+    if workload == "drain_preloaded":
+        c.preload(args.messages)  # before the CPU probes and the clock
+        return timed_run(c, c.drain_preloaded, args.messages, pm)
     if workload == "latency":
         return latency_run(c, args.samples)
     run = c.publish_one if workload == "publish_one" else c.publish_batch
@@ -515,10 +532,14 @@ def markdown(results: dict[str, Any]) -> str:
         "",
     ]
 
-    if "drain" in w:
-        n = results["settings"]["messages"]
-        out += [f"**Drain, 1 stage** ({n} messages, no-op handlers, warm consumers)", ""]
-        out += [*rate_table(w["drain"], "Pepsi", "Pepsi"), ""]
+    n = results["settings"]["messages"]
+    for key, how in (
+        ("drain", "published in batches of 1 000 while they drain"),
+        ("drain_preloaded", "enqueued first, in one transaction"),
+    ):
+        if key in w:
+            out += [f"**Drain, 1 stage** ({n} messages {how}; no-op handlers, warm consumers)"]
+            out += ["", *rate_table(w[key], "Pepsi", "Pepsi"), ""]
     if "drain3" in w:
         cell = w["drain3"].get("Pepsi 3 stages", {})
         out += ["**Drain, 3 stages** (Pepsi, default settings)", ""]
@@ -575,11 +596,12 @@ def ratio_text(name: str, cells: dict[str, Any], pepsi: str, key: str, lowest: b
 def summary(results: dict[str, Any]) -> str:
     w = results["workloads"]
     parts = []
-    if "drain" in w:
-        parts.append(ratio_text("drain", w["drain"], "Pepsi", "per_s"))
-        share = w["drain"].get("Pepsi", {}).get("core_share", {}).get("dispatcher")
-        if share is not None:
-            parts.append(f"dispatcher {share:.2f} core")
+    for key in ("drain", "drain_preloaded"):
+        if key in w:
+            parts.append(ratio_text(key, w[key], "Pepsi", "per_s"))
+            share = w[key].get("Pepsi", {}).get("core_share", {}).get("dispatcher")
+            if share is not None:
+                parts.append(f"dispatcher {share:.2f} core")
     if "drain3" in w and "per_s" in w["drain3"].get("Pepsi 3 stages", {}):
         rate = w["drain3"]["Pepsi 3 stages"]["per_s"]["median"]
         parts.append(f"3 stages {fmt(rate)} msg/s ({fmt(rate * 3)} hops/s)")
@@ -688,18 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     if pm is None:
         results["skipped"].append("PostgreSQL CPU (postmaster.pid not readable)")
     with tempfile.TemporaryDirectory(prefix="race-") as tmp:
-        shared = Shared(Path(tmp), StampSocket(Path(tmp) / "stamps.sock"))
-        server = find_rabbitmq()
-        if server is None:
-            results["skipped"].append(
-                "RabbitMQ (no rabbitmq-server in PATH, /usr/lib/rabbitmq/bin, /usr/sbin)"
-            )
-        elif set(args.workloads) & {"drain", "latency", "publish_one", "publish_batch"}:
-            try:
-                log(f"starting a private RabbitMQ node ({server})")
-                shared.rabbit = RabbitBroker(server, shared)
-            except Exception as exc:  # noqa: BLE001
-                results["skipped"].append(f"RabbitMQ (failed to start: {exc!r})")
+        # the RabbitMQ node starts when the first RabbitMQ contestant is set up
+        shared = Shared(Path(tmp), StampSocket(Path(tmp) / "stamps.sock"), find_rabbitmq())
         try:
             for workload in args.workloads:
                 log(f"== {workload}")
@@ -715,6 +727,8 @@ def main(argv: list[str] | None = None) -> int:
             if shared.rabbit is not None:
                 shared.rabbit.close()
             shared.stamps.close()
+        if shared.rabbit_error:
+            results["skipped"].append(f"RabbitMQ ({shared.rabbit_error})")
     results["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     results["seconds_total"] = round(time.monotonic() - began, 1)
     text = json.dumps(results, indent=2, ensure_ascii=False)

@@ -47,6 +47,7 @@ BATCH = 1000
 DB_PREFIX = "race_"
 CONSUMER = [sys.executable, "-c", "import sys, race_stages; race_stages.main(sys.argv[1:])"]
 POLL = 0.01  # seconds between "anything left?" probes while draining
+DRAINS = ("drain", "drain_preloaded")
 
 
 class Unsupported(Exception):  # a skip with its reason, not an error
@@ -130,18 +131,43 @@ class Shared:
 
     tmp: Path
     stamps: StampSocket
-    rabbit: RabbitBroker | None = None
+    rabbit_server: Path | None = None  # rabbitmq-server, if installed
+    rabbit: RabbitBroker | None = None  # its node, started by the first contestant needing it
+    rabbit_error: str = ""
+
+    def broker(self) -> RabbitBroker:
+        """The private RabbitMQ node, started on first use; Unsupported if it cannot be."""
+        if self.rabbit is None and not self.rabbit_error:
+            if self.rabbit_server is None:
+                self.rabbit_error = "rabbitmq-server not installed"
+            else:
+                try:
+                    self.rabbit = RabbitBroker(self.rabbit_server, self)
+                except Exception as exc:  # noqa: BLE001
+                    self.rabbit_error = f"rabbitmq-server failed to start: {exc!r}"
+        if self.rabbit is None:
+            raise Unsupported(self.rabbit_error)
+        return self.rabbit
 
     def env(self) -> dict[str, str]:
         path = os.pathsep.join([str(HERE), str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
         return {**os.environ, "RACE_SOCK": str(self.stamps.path), "PYTHONPATH": path}
 
-    def spawn(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> Any:
+    def spawn(
+        self,
+        name: str,
+        argv: list[str],
+        extra_env: dict[str, str] | None = None,
+        *,
+        gated: bool = False,
+    ) -> Any:
+        """Start a consumer process (gated: with a pipe on its stdin for go/stop lines)."""
         path = self.tmp / f"{name}.log"
         log = path.open("ab")
         proc = subprocess.Popen(
             argv,
             env={**self.env(), **(extra_env or {})},
+            stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=REPO,
@@ -262,8 +288,13 @@ class RabbitBroker:
             "RABBITMQ_ENABLED_PLUGINS_FILE": str(base / "enabled_plugins"),
             "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "+sbwt none +sbwtdcpu none +sbwtdio none",
         }
+        print(f"starting a private RabbitMQ node ({server})", file=sys.stderr, flush=True)
         self.proc = shared.spawn("rabbitmq", [str(server)], self.env)
-        self._wait_ready(90)
+        try:
+            self._wait_ready(90)
+        except BaseException:
+            stop(self.proc)
+            raise
 
     def _wait_ready(self, timeout: float) -> None:
         import pika  # noqa: PLC0415
@@ -285,12 +316,12 @@ class RabbitBroker:
 
         return pika.ConnectionParameters("127.0.0.1", self.port, heartbeat=0)
 
-    def declare(self, queue: str) -> None:
+    def declare(self, queue: str, queue_type: str = "quorum") -> None:
         import pika  # noqa: PLC0415
 
         conn = pika.BlockingConnection(self.params())
         ch = conn.channel()
-        ch.queue_declare(queue, durable=True, arguments={"x-queue-type": "quorum"})
+        ch.queue_declare(queue, durable=True, arguments={"x-queue-type": queue_type})
         ch.queue_purge(queue)
         conn.close()
 
@@ -434,6 +465,7 @@ class Contestant:
     label: str = ""
     procs: list[Any] = field(default_factory=list)
     dbname: str | None = None  # its scratch database, dropped after the workload
+    t0: float = 0.0  # when a preloaded drain's clock started
 
     def setup(self, workload: str) -> None:
         raise Unsupported("not run")
@@ -442,6 +474,18 @@ class Contestant:
         pass
 
     def drain(self, n: int) -> float:
+        raise Unsupported("no drain")
+
+    def preload(self, n: int) -> None:
+        """Enqueue n messages no consumer sees before one commit; set t0 just after it."""
+        raise Unsupported("no preloaded drain")
+
+    def drain_preloaded(self, n: int) -> float:
+        """Seconds from t0 (the preload's commit, or go) until the last message is done."""
+        self.wait(n)
+        return time.perf_counter() - self.t0
+
+    def wait(self, n: int) -> None:
         raise Unsupported("no drain")
 
     def latency(self) -> float:
@@ -518,7 +562,7 @@ class Pepsi(Contestant):
         self.config: Config = load_config(self.conf)
         self.publisher = Publisher.connect(self.config, self.dsn)
         self.db = psycopg.connect(self.dsn, autocommit=True)
-        if workload in {"drain", "drain3", "latency", "fairness", "sustained"}:
+        if workload in {*DRAINS, "drain3", "latency", "fairness", "sustained"}:
             argv = [sys.executable, "-m", "pepsi", "-c", str(self.conf), "dispatch", "serve"]
             self.procs.append(
                 self.shared.spawn(f"dispatch-{self.dbname}", argv, {"PEPSI_DSN": self.dsn})
@@ -560,6 +604,11 @@ class Pepsi(Contestant):
             self.publisher.publish_many(batch)
         self.wait(n)
         return time.perf_counter() - start
+
+    def preload(self, n: int) -> None:
+        assert self.publisher is not None
+        self.publisher.publish_many(self.messages(n))  # one transaction
+        self.t0 = time.perf_counter()
 
     def latency(self) -> float:
         assert self.publisher is not None
@@ -615,230 +664,6 @@ class Pepsi(Contestant):
             self.db.close()
 
 
-class PgQueuer(Contestant):
-    """pgqueuer (asyncpg driver, defaults) with `consumers` consumer processes."""
-
-    def __init__(self, shared: Shared, consumers: int = 1) -> None:
-        super().__init__(shared, f"pgqueuer ×{consumers}" if consumers else "pgqueuer")
-        self.consumers = consumers
-
-    def setup(self, workload: str) -> None:
-        import asyncpg  # noqa: PLC0415
-        from pgqueuer import Queries  # noqa: PLC0415
-        from race_stages import asyncpg_params  # noqa: PLC0415
-
-        self.dbname = db_name(workload, self.label)
-        self.dsn = empty_database(self.dbname)
-        self.loop = Loop()
-        self.conn = self.loop.run(asyncpg.connect(**asyncpg_params(self.dsn)))
-        self.queries = Queries.from_asyncpg_connection(self.conn)
-        self.loop.run(self.queries.install())
-        self.db = psycopg.connect(self.dsn, autocommit=True)
-        if workload in {"drain", "latency"}:
-            argv = [*CONSUMER, "pgqueuer", self.dsn]
-            for i in range(self.consumers):
-                self.procs.append(self.shared.spawn(f"pgqueuer-{workload}-{i}", argv))
-
-    def _enqueue_many(self, entrypoint: str, payload: bytes | None, n: int) -> None:
-        self.loop.run(self.queries.enqueue([entrypoint] * n, [payload] * n, [0] * n))
-
-    def wait(self, n: int) -> None:
-        wait_empty(self.db, "SELECT EXISTS (SELECT 1 FROM pgqueuer)", drain_timeout(n), self.alive)
-
-    def warm(self) -> None:
-        if self.procs:
-            self._enqueue_many("noop", None, 200)
-            self.wait(200)
-
-    def drain(self, n: int) -> float:
-        start = time.perf_counter()
-        for batch in chunks([None] * n):
-            self._enqueue_many("noop", None, len(batch))
-        self.wait(n)
-        return time.perf_counter() - start
-
-    def latency(self) -> float:
-        t0 = time.monotonic_ns()
-        self.loop.run(self.queries.enqueue("stamp", None))
-        return (self.shared.stamps.wait("stamp", 10, t0) - t0) / 1e6
-
-    def publish_one(self, n: int) -> float:
-        async def run() -> None:
-            for _ in range(n):
-                await self.queries.enqueue("noop", BODY)
-
-        start = time.perf_counter()
-        self.loop.run(run())
-        return time.perf_counter() - start
-
-    def publish_batch(self, n: int) -> float:
-        start = time.perf_counter()
-        for batch in chunks([BODY] * n):
-            self._enqueue_many("noop", BODY, len(batch))
-        return time.perf_counter() - start
-
-    def cpu_roles(self) -> dict[str, CpuProbe]:
-        return {"consumers": CpuProbe([p.pid for p in self.procs])} if self.procs else {}
-
-    def reset(self) -> None:
-        self.db.execute("TRUNCATE pgqueuer")
-
-    def close(self) -> None:
-        super().close()
-        if hasattr(self, "conn"):
-            self.loop.run(self.conn.close())
-            self.loop.close()
-            self.db.close()
-
-
-class Procrastinate(Contestant):
-    """procrastinate, one worker process with async no-op tasks at `concurrency`."""
-
-    JOBS_LEFT = "SELECT EXISTS (SELECT 1 FROM procrastinate_jobs WHERE status IN ('todo', 'doing'))"
-
-    def __init__(self, shared: Shared, concurrency: int) -> None:
-        super().__init__(shared, f"procrastinate c={concurrency}")
-        self.concurrency = concurrency
-
-    def setup(self, workload: str) -> None:
-        from race_stages import procrastinate_app  # noqa: PLC0415
-
-        self.dbname = db_name(workload, self.label)
-        self.dsn = empty_database(self.dbname)
-        self.loop = Loop()
-        self.app = procrastinate_app(self.dsn)
-        self.loop.run(self.app.open_async())
-        self.loop.run(self.app.schema_manager.apply_schema_async())
-        self.noop = self.app.tasks["noop"]
-        self.stamp = self.app.tasks["stamp"]
-        self.db = psycopg.connect(self.dsn, autocommit=True)
-        self.body = BODY.decode()
-        if workload in {"drain", "latency"}:
-            argv = [*CONSUMER, "procrastinate", self.dsn, str(self.concurrency)]
-            self.procs.append(self.shared.spawn(f"procrastinate-{workload}", argv))
-
-    def wait(self, n: int) -> None:
-        wait_empty(self.db, self.JOBS_LEFT, drain_timeout(n), self.alive)
-
-    def warm(self) -> None:
-        if self.procs:
-            self.loop.run(self.noop.batch_defer_async(*[{}] * 200))
-            self.wait(200)
-
-    def drain(self, n: int) -> float:
-        start = time.perf_counter()
-        for batch in chunks([{}] * n):
-            self.loop.run(self.noop.batch_defer_async(*batch))
-        self.wait(n)
-        return time.perf_counter() - start
-
-    def latency(self) -> float:
-        t0 = time.monotonic_ns()
-        self.loop.run(self.stamp.defer_async())
-        return (self.shared.stamps.wait("stamp", 10, t0) - t0) / 1e6
-
-    def publish_one(self, n: int) -> float:
-        async def run() -> None:
-            for _ in range(n):
-                await self.noop.defer_async(body=self.body)
-
-        start = time.perf_counter()
-        self.loop.run(run())
-        return time.perf_counter() - start
-
-    def publish_batch(self, n: int) -> float:
-        start = time.perf_counter()
-        for batch in chunks([{"body": self.body}] * n):
-            self.loop.run(self.noop.batch_defer_async(*batch))
-        return time.perf_counter() - start
-
-    def cpu_roles(self) -> dict[str, CpuProbe]:
-        return {"consumers": CpuProbe([p.pid for p in self.procs])} if self.procs else {}
-
-    def reset(self) -> None:
-        self.db.execute("TRUNCATE procrastinate_jobs CASCADE")
-
-    def close(self) -> None:
-        super().close()
-        if hasattr(self, "app"):
-            self.loop.run(self.app.close_async())
-            self.loop.close()
-            self.db.close()
-
-
-class RabbitMQ(Contestant):
-    """RabbitMQ quorum queue through pika: prefetch 100, manual acks, confirms."""
-
-    def __init__(self, shared: Shared) -> None:
-        super().__init__(shared, "RabbitMQ quorum")
-
-    def setup(self, workload: str) -> None:
-        import pika  # noqa: PLC0415
-
-        if self.shared.rabbit is None:
-            raise Unsupported("rabbitmq-server not installed")
-        self.broker = self.shared.rabbit
-        self.pika = pika
-        self.queue = f"race_{workload}"
-        self.broker.declare(self.queue)
-        self.conn = pika.BlockingConnection(self.broker.params())
-        self.channel = self.conn.channel()
-        self.channel.confirm_delivery()
-        if workload in {"drain", "latency"}:
-            argv = [*CONSUMER, "rabbitmq", str(self.broker.port), self.queue]
-            self.procs.append(self.shared.spawn(f"rabbitmq-consumer-{workload}", argv))
-
-    def _windowed(self, n: int, body: bytes, last: str | None = None) -> float:
-        pub = WindowedPublisher(self.broker.params(), self.queue)
-        try:
-            start = time.perf_counter()
-            pub.publish(n, body, BATCH, last)
-            if last:
-                self.shared.stamps.wait("done", drain_timeout(n))
-            return time.perf_counter() - start
-        finally:
-            pub.close()
-
-    def warm(self) -> None:
-        if self.procs:
-            self.shared.stamps.clear()
-            self._windowed(200, b"", "last")
-
-    def drain(self, n: int) -> float:
-        self.shared.stamps.clear()
-        return self._windowed(n, b"", "last")
-
-    def latency(self) -> float:
-        props = self.pika.BasicProperties(delivery_mode=2, type="stamp")
-        t0 = time.monotonic_ns()
-        self.channel.basic_publish("", self.queue, b"", props)
-        return (self.shared.stamps.wait("stamp", 10, t0) - t0) / 1e6
-
-    def publish_one(self, n: int) -> float:
-        props = self.pika.BasicProperties(delivery_mode=2)
-        start = time.perf_counter()
-        for _ in range(n):
-            self.channel.basic_publish("", self.queue, BODY, props)
-        return time.perf_counter() - start
-
-    def publish_batch(self, n: int) -> float:
-        return self._windowed(n, BODY)
-
-    def cpu_roles(self) -> dict[str, CpuProbe]:
-        roles = {"broker": CpuProbe([self.broker.proc.pid])}
-        if self.procs:
-            roles["consumers"] = CpuProbe([p.pid for p in self.procs])
-        return roles
-
-    def reset(self) -> None:
-        self.channel.queue_purge(self.queue)
-
-    def close(self) -> None:
-        super().close()
-        if hasattr(self, "conn") and self.conn.is_open:
-            self.conn.close()
-
-
 class RawSql(Contestant):
     """The ceilings: plain psycopg on a plain table.
 
@@ -861,7 +686,7 @@ class RawSql(Contestant):
         self.db.execute("CREATE TABLE raw (id bigserial PRIMARY KEY, body bytea)")
         self.db.execute("SET synchronous_commit = on")
 
-    def drain(self, n: int) -> float:
+    def preload(self, n: int) -> None:
         self.db.execute("TRUNCATE hop")
         self.db.execute("INSERT INTO hop SELECT g, 's1' FROM generate_series(1, %s) g", (n,))
         self.db.execute("VACUUM ANALYZE hop")
@@ -871,6 +696,7 @@ class RawSql(Contestant):
                 conn.execute("SET synchronous_commit = off")
                 self.hoppers.append(conn)
 
+    def drain_preloaded(self, n: int) -> float:
         def hop(conn: psycopg.Connection[Any], ids: range) -> None:
             for i in ids:
                 conn.execute("UPDATE hop SET stage = 'done' WHERE id = %b", (i,), prepare=True)
@@ -886,6 +712,10 @@ class RawSql(Contestant):
         for t in threads:
             t.join()
         return time.perf_counter() - start
+
+    def drain(self, n: int) -> float:
+        self.preload(n)  # the rows are there before the clock in both drains
+        return self.drain_preloaded(n)
 
     def publish_one(self, n: int) -> float:
         start = time.perf_counter()

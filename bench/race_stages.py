@@ -12,16 +12,20 @@ PYTHONPATH; imported, not run as __main__, so procrastinate finds its app) as
 
     python -c 'import sys, race_stages; race_stages.main(sys.argv[1:])' KIND ARGS...
 
-    KIND ARGS: pgqueuer DSN | procrastinate DSN CONCURRENCY | rabbitmq PORT QUEUE
+    KIND ARGS: pgqueuer DSN SETTINGS | procrastinate DSN SETTINGS | rabbitmq PORT QUEUE SETTINGS
+
+SETTINGS is a JSON object (see each consumer below); {} means the peer's defaults.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import sys
+import threading
 import time
 from functools import cache
 from typing import Any
@@ -72,30 +76,64 @@ def asyncpg_params(dsn: str) -> dict[str, Any]:
     return {k: v for k, v in out.items() if k in known}
 
 
-async def pgqueuer_consumer(dsn: str) -> None:
-    """One pgqueuer consumer process: default settings, entrypoints noop and stamp."""
+def wait_go() -> None:
+    """A gated consumer: block until the benchmark writes a line to our stdin."""
+    if not sys.stdin.readline():
+        raise SystemExit("stdin closed before go")
+
+
+async def pgqueuer_consumer(dsn: str, settings: dict[str, Any]) -> None:
+    """One pgqueuer consumer process: `managers` PgQueuer instances (a connection each, like
+    pgqueuer's own benchmark tool's dequeue tasks), entrypoints noop and stamp.
+
+    settings: batch (batch_size), managers, mode ("continuous" or "drain": a gated process
+    reports `ready`, waits for go, drains once with mode=drain and exits), sync_commit
+    (False: synchronous_commit off on its connections, as Pepsi's workers do; not a pgqueuer
+    setting), max_tasks (max_concurrent_tasks).
+    """
     import asyncpg  # noqa: PLC0415
     from pgqueuer import PgQueuer  # noqa: PLC0415
+    from pgqueuer.types import QueueExecutionMode  # noqa: PLC0415
 
-    conn = await asyncpg.connect(**asyncpg_params(dsn))
-    pgq = PgQueuer.from_asyncpg_connection(conn)
+    server = {} if settings.get("sync_commit", True) else {"synchronous_commit": "off"}
+    queuers = []
+    for _ in range(settings.get("managers", 1)):
+        conn = await asyncpg.connect(**asyncpg_params(dsn), server_settings=server)
+        pgq = PgQueuer.from_asyncpg_connection(conn)
 
-    @pgq.entrypoint("noop")
-    async def _noop(job: Any) -> None:
-        pass
+        @pgq.entrypoint("noop")
+        async def _noop(job: Any) -> None:
+            pass
 
-    @pgq.entrypoint("stamp")
-    async def _stamp(job: Any) -> None:
-        send_stamp()
+        @pgq.entrypoint("stamp")
+        async def _stamp(job: Any) -> None:
+            send_stamp()
 
-    await pgq.run()
+        queuers.append(pgq)
+    mode = QueueExecutionMode(settings.get("mode", "continuous"))
+    if mode is QueueExecutionMode.drain:
+        report(f"ready {os.getpid()}")
+        await asyncio.get_running_loop().run_in_executor(None, wait_go)
+    await asyncio.gather(
+        *(
+            pgq.run(
+                batch_size=settings.get("batch", 10),
+                mode=mode,
+                max_concurrent_tasks=settings.get("max_tasks"),
+            )
+            for pgq in queuers
+        )
+    )
 
 
-def procrastinate_app(dsn: str) -> Any:
-    """A procrastinate App with two async no-op tasks, `noop` and `stamp`."""
+def procrastinate_app(dsn: str, pool: int | None = None) -> Any:
+    """A procrastinate App with two async no-op tasks, `noop` and `stamp`.
+
+    pool: the connector's pool size (psycopg_pool's default is 4 connections)."""
     from procrastinate import App, PsycopgConnector  # noqa: PLC0415
 
-    app = App(connector=PsycopgConnector(conninfo=dsn))
+    kwargs = {"min_size": pool, "max_size": pool} if pool else {}
+    app = App(connector=PsycopgConnector(conninfo=dsn, **kwargs))
 
     @app.task(name="noop")
     async def _noop(**kwargs: Any) -> None:
@@ -108,39 +146,89 @@ def procrastinate_app(dsn: str) -> Any:
     return app
 
 
-async def procrastinate_consumer(dsn: str, concurrency: int) -> None:
-    app = procrastinate_app(dsn)
+async def procrastinate_consumer(dsn: str, settings: dict[str, Any]) -> None:
+    """settings: concurrency, pool, delete_jobs ("never", "successful", "always"),
+    listen_notify, polling (fetch_job_polling_interval, seconds)."""
+    app = procrastinate_app(dsn, settings.get("pool"))
+    options: dict[str, Any] = {"concurrency": settings.get("concurrency", 10)}
+    for key, option in (
+        ("delete_jobs", "delete_jobs"),
+        ("listen_notify", "listen_notify"),
+        ("polling", "fetch_job_polling_interval"),
+    ):
+        if key in settings:
+            options[option] = settings[key]
     async with app.open_async():
-        await app.run_worker_async(concurrency=concurrency)
+        await app.run_worker_async(**options)
 
 
-def rabbitmq_consumer(port: int, queue: str) -> None:
-    """pika, prefetch 100, one manual ack per message."""
+def rabbitmq_consumer(port: int, queue: str, settings: dict[str, Any]) -> None:
+    """pika, basic.qos(prefetch), manual acks: one per message, or with ack_every > 1 one
+    multiple=True ack for every ack_every messages (RabbitMQ's advice for throughput).
+
+    gated: consume only between a `go` and a `stop` line on stdin (reported back as
+    `stopped` once basic.cancel is done): the queue fills with no consumer, then drains."""
     import pika  # noqa: PLC0415
 
-    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port, heartbeat=0))
     channel = conn.channel()
-    channel.basic_qos(prefetch_count=100)
+    channel.basic_qos(prefetch_count=settings.get("prefetch", 100))
+    every = settings.get("ack_every", 1)
+    unacked = 0
 
     def on_message(ch: Any, method: Any, props: Any, body: bytes) -> None:
+        nonlocal unacked
         if props.type == "stamp":
             send_stamp()
-        ch.basic_ack(method.delivery_tag)
+        unacked += 1
+        if unacked >= every or props.type == "last":
+            ch.basic_ack(method.delivery_tag, multiple=unacked > 1)
+            unacked = 0
         if props.type == "last":
             report("done")
 
-    channel.basic_consume(queue, on_message, auto_ack=False)
-    channel.start_consuming()
+    if not settings.get("gated"):
+        channel.basic_consume(queue, on_message, auto_ack=False)
+        channel.start_consuming()
+        return
+    tags: list[str] = []
+
+    def go() -> None:
+        tags.append(channel.basic_consume(queue, on_message, auto_ack=False))
+
+    def stop() -> None:
+        nonlocal unacked
+        while tags:
+            channel.basic_cancel(tags.pop())
+        if unacked:  # a batch of acks cut short by the stop
+            channel.basic_ack(0, multiple=True)
+            unacked = 0
+        report("stopped")
+
+    def commands() -> None:  # stdin is read on a thread: pika's loop keeps the main one
+        for line in sys.stdin:
+            conn.add_callback_threadsafe(go if line.strip() == "go" else stop)
+        os._exit(0)  # the benchmark is gone
+
+    threading.Thread(target=commands, daemon=True).start()
+    while True:
+        conn.process_data_events(time_limit=1)
 
 
 def main(argv: list[str]) -> None:
     kind, *args = argv
+    settings = json.loads(args[-1]) if args and args[-1].startswith("{") else {}
     if kind == "pgqueuer":
-        asyncio.run(pgqueuer_consumer(args[0]))
+        if settings.get("uvloop", True):  # `pgq run` runs on uvloop when it is installed
+            import uvloop  # noqa: PLC0415
+
+            uvloop.run(pgqueuer_consumer(args[0], settings))
+        else:
+            asyncio.run(pgqueuer_consumer(args[0], settings))
     elif kind == "procrastinate":
-        asyncio.run(procrastinate_consumer(args[0], int(args[1])))
+        asyncio.run(procrastinate_consumer(args[0], settings))
     elif kind == "rabbitmq":
-        rabbitmq_consumer(int(args[0]), args[1])
+        rabbitmq_consumer(int(args[0]), args[1], settings)
     else:
         raise SystemExit(f"unknown consumer {kind!r}")
 
