@@ -4,13 +4,22 @@
     .venv/bin/python bench/race.py [--quick] [--reps 3] [--only drain,publish_one,...]
                                    [--sustained SECONDS] [--json FILE]
 
-Peers: pgqueuer (1 and 4 consumer processes), procrastinate (one worker,
-async tasks, --procrastinate-concurrency), RabbitMQ (a quorum queue through
-pika, only if a `rabbitmq-server` is installed: this script never installs
-anything; it starts a private node and stops it), and raw psycopg loops as
-ceilings. Every PostgreSQL contestant uses its own scratch database on the
-embedded (or $PEPSI_DSN's) server. Handlers are no-ops everywhere. Reps are
-interleaved (A B C A B C ...); each cell is the median and min..max over reps.
+Peers, in the drains at their defaults and at their best setting found by
+bench/peer_sweep.py (a grid and every further knob their documentation names
+for throughput; `pgqueuer_lineup` and friends below say which won):
+pgqueuer through asyncpg on uvloop as `pgq run` runs it (its defaults: one
+consumer, batch_size 10; issue 36's reference, 4 consumers at batch_size 10;
+its best, 4 consumers at batch_size 1 000), procrastinate (one worker, async
+tasks, --procrastinate-concurrency; and delete_jobs=always), RabbitMQ (a
+quorum queue through pika, only if a `rabbitmq-server` is installed: this
+script never installs anything; it starts a private node when a RabbitMQ
+contestant first needs it and stops it; one consumer at prefetch 100, one ack
+a message; its best, 2 consumers at prefetch 300 acking 50 at a time with
+multiple=True), and raw psycopg loops as ceilings. Elsewhere the peers run
+their defaults. Every PostgreSQL contestant uses its own scratch database on
+the embedded (or $PEPSI_DSN's) server. Handlers are no-ops everywhere. Reps
+are interleaved (A B C A B C ...); each cell is the median and min..max over
+reps.
 
 Workloads (--only takes these names):
   drain          1 stage: consumers running and warm (200 messages through
@@ -22,6 +31,15 @@ Workloads (--only takes these names):
                  UPDATE ... WHERE id = $1 per message and commit (the "hop by
                  primary key", synchronous_commit off like Pepsi's workers),
                  on 1 and 2 connections, rows inserted before the clock.
+  drain_preloaded  the same, the N messages enqueued first (the workload
+                 pgqueuer's own benchmark tool calls drain): in one
+                 transaction with the consumers warm and waiting, the clock
+                 from its commit (Pepsi publish_many, pgqueuer one enqueue
+                 statement, procrastinate one batch_defer; RabbitMQ: published
+                 and confirmed while the consumers are held back, the clock
+                 from their go). No publishing competes with the consumers
+                 for the 2 cores, and no producer's cost is in the rate: the
+                 drain alone. CPU probes start just after the commit.
   drain3         Pepsi, 3 stages s1 -> s2 -> s3, default settings: msg/s, hops/s.
   latency        idle, warm system; one message every 20 ms; from just before
                  the publish call to the handler's start (the handler sends
@@ -100,13 +118,27 @@ MAX_FAILURES = 2  # failed reps before a contestant is dropped from a workload
 
 
 def pgqueuer_lineup(shared: Shared) -> list[Contestant]:
-    """pgqueuer at its defaults, and at its best setting in bench/peer_sweep.py."""
-    return [PgQueuer(shared, 1), PgQueuer(shared, 4)]
+    """pgqueuer at its defaults, at issue 36's reference setting, and at its best in
+    bench/peer_sweep.py: batch_size is the knob (its performance guide: raise it for
+    short jobs); durability `balanced`, `pgq autovac`, one process of several PgQueuer
+    instances and drain mode were no faster."""
+    return [PgQueuer(shared, 1), PgQueuer(shared, 4), PgQueuer(shared, 4, batch=1000)]
+
+
+def procrastinate_lineup(shared: Shared, concurrency: list[int]) -> list[Contestant]:
+    """procrastinate at each concurrency asked for, and the first with delete_jobs=always
+    (the one knob that helped in bench/peer_sweep.py)."""
+    return [
+        *(Procrastinate(shared, c) for c in concurrency),
+        Procrastinate(shared, concurrency[0], delete_jobs="always"),
+    ]
 
 
 def rabbitmq_lineup(shared: Shared) -> list[Contestant]:
-    """RabbitMQ's quorum queue at prefetch 100, and its best setting in bench/peer_sweep.py."""
-    return [RabbitMQ(shared)]
+    """RabbitMQ's quorum queue, 1 consumer at prefetch 100, and its best setting in
+    bench/peer_sweep.py: 2 consumers at prefetch 300 acking 50 messages at a time
+    (multiple=True, RabbitMQ's advice for throughput); a classic queue was no faster."""
+    return [RabbitMQ(shared), RabbitMQ(shared, 2, prefetch=300, ack_every=50)]
 
 
 def lineup(workload: str, shared: Shared, args: argparse.Namespace) -> list[Contestant]:
@@ -116,7 +148,7 @@ def lineup(workload: str, shared: Shared, args: argparse.Namespace) -> list[Cont
         return [
             Pepsi(shared, "Pepsi", Pepsi.config_text()),
             *pgqueuer_lineup(shared),
-            *(Procrastinate(shared, c) for c in args.procrastinate_concurrency),
+            *procrastinate_lineup(shared, args.procrastinate_concurrency),
             *rabbitmq_lineup(shared),
             RawSql(shared, 1),
             RawSql(shared, 2),

@@ -82,7 +82,7 @@ class PgQueuer(Contestant):
         text += f" {self.durability}" if self.durability != "durable" else ""
         text += " autovac" if self.autovac else ""
         text += " drain-mode" if s["mode"] == "drain" else ""
-        text += " sync_commit=off" if not s["sync_commit"] else ""
+        text += " sync_commit=off †" if not s["sync_commit"] else ""
         return text
 
     def setup(self, workload: str) -> None:
