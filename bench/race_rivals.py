@@ -186,10 +186,11 @@ class PgQueuer(Contestant):
 
     def close(self) -> None:
         super().close()
-        if hasattr(self, "conn"):
+        if hasattr(self, "conn"):  # set up (a sweep sets it up again for its next rep)
             self.loop.run(self.conn.close())
             self.loop.close()
             self.db.close()
+            del self.conn
 
 
 class Procrastinate(Contestant):
@@ -276,6 +277,7 @@ class Procrastinate(Contestant):
             self.loop.run(self.app.close_async())
             self.loop.close()
             self.db.close()
+            del self.app
 
 
 class RabbitMQ(Contestant):
@@ -286,7 +288,8 @@ class RabbitMQ(Contestant):
     The preloaded drain holds the consumers back (see race_stages.rabbitmq_consumer): the
     messages are published and confirmed first, the clock starts at go. The last message
     is typed `last`, and its consumer reports when it is acked: with several consumers the
-    others may still hold up to `prefetch` messages each (a few ms of work).
+    others may still hold up to `prefetch` messages each (a few ms of work; what they
+    hold when told to stop goes back to the queue, which is purged before the next rep).
     """
 
     def __init__(
@@ -353,6 +356,7 @@ class RabbitMQ(Contestant):
             return
         self.shared.stamps.clear()
         if self.gated:
+            self.channel.queue_purge(self.queue)
             self._command("go")
             self._windowed(200, b"", "last")
             self.shared.stamps.wait("done", 30)
@@ -365,6 +369,8 @@ class RabbitMQ(Contestant):
         return self._windowed(n, b"", "last")
 
     def preload(self, n: int) -> None:
+        # what a stopped consumer had received but not yet handled went back to the queue
+        self.channel.queue_purge(self.queue)
         self._windowed(n, b"", "last")  # every message confirmed, no consumer yet
         self.shared.stamps.clear()
         self._command("go")
@@ -403,6 +409,8 @@ class RabbitMQ(Contestant):
 
     def close(self) -> None:
         super().close()
-        if hasattr(self, "conn") and self.conn.is_open:
-            self.channel.queue_delete(self.queue)
-            self.conn.close()
+        if hasattr(self, "conn"):
+            if self.conn.is_open:
+                self.channel.queue_delete(self.queue)
+                self.conn.close()
+            del self.conn
