@@ -5,21 +5,20 @@
                                    [--sustained SECONDS] [--json FILE]
 
 Peers, in the drains at their defaults and at their best setting found by
-bench/peer_sweep.py (a grid and every further knob their documentation names
-for throughput; `pgqueuer_lineup` and friends below say which won):
-pgqueuer through asyncpg on uvloop as `pgq run` runs it (its defaults: one
-consumer, batch_size 10; issue 36's reference, 4 consumers at batch_size 10;
-its best, 1 consumer at batch_size 1 000 and 4 at 500), procrastinate (one worker, async
-tasks, --procrastinate-concurrency; and delete_jobs=always), RabbitMQ (a
-quorum queue through pika, only if a `rabbitmq-server` is installed: this
-script never installs anything; it starts a private node when a RabbitMQ
-contestant first needs it and stops it; one consumer at prefetch 100, one ack
-a message; its best, 2 consumers at prefetch 300 acking 50 at a time with
-multiple=True), and raw psycopg loops as ceilings. Elsewhere the peers run
-their defaults. Every PostgreSQL contestant uses its own scratch database on
-the embedded (or $PEPSI_DSN's) server. Handlers are no-ops everywhere. Reps
-are interleaved (A B C A B C ...); each cell is the median and min..max over
-reps.
+bench/peer_sweep.py (a grid and every further knob their documentation names for
+throughput; `pgqueuer_lineup` and friends below say which won): pgqueuer through
+asyncpg on uvloop as `pgq run` runs it (its defaults: one consumer, batch_size
+10; issue 36's reference, 4 consumers at batch_size 10; its best, 1 consumer at
+batch_size 1 000 and 4 at 500), procrastinate (one worker, async tasks,
+--procrastinate-concurrency; and 2 workers with delete_jobs=always), RabbitMQ (a
+quorum queue through pika, only if a `rabbitmq-server` is installed: this script
+never installs anything; it starts a private node when a RabbitMQ contestant
+first needs it and stops it; one consumer at prefetch 100, one ack a message;
+its best, 2 consumers at prefetch 100 acking 50 at a time with multiple=True),
+and raw psycopg loops as ceilings. Elsewhere the peers run their defaults. Every
+PostgreSQL contestant uses its own scratch database on the embedded (or
+$PEPSI_DSN's) server. Handlers are no-ops everywhere. Reps are interleaved (A B
+C A B C ...); each cell is the median and min..max over reps.
 
 Workloads (--only takes these names):
   drain          1 stage: consumers running and warm (200 messages through
@@ -133,19 +132,20 @@ def pgqueuer_lineup(shared: Shared) -> list[Contestant]:
 
 
 def procrastinate_lineup(shared: Shared, concurrency: list[int]) -> list[Contestant]:
-    """procrastinate at each concurrency asked for, and the first with delete_jobs=always
-    (the one knob that helped in bench/peer_sweep.py)."""
+    """procrastinate at each concurrency asked for, and the first in 2 worker processes
+    with delete_jobs=always (what helped in bench/peer_sweep.py, within its noise: 2-5 x
+    100-700 msg/s whatever the setting)."""
     return [
         *(Procrastinate(shared, c) for c in concurrency),
-        Procrastinate(shared, concurrency[0], delete_jobs="always"),
+        Procrastinate(shared, concurrency[0], processes=2, delete_jobs="always"),
     ]
 
 
 def rabbitmq_lineup(shared: Shared) -> list[Contestant]:
     """RabbitMQ's quorum queue, 1 consumer at prefetch 100, and its best setting in
-    bench/peer_sweep.py: 2 consumers at prefetch 300 acking 50 messages at a time
+    bench/peer_sweep.py: 2 consumers at prefetch 100 acking 50 messages at a time
     (multiple=True, RabbitMQ's advice for throughput); a classic queue was no faster."""
-    return [RabbitMQ(shared), RabbitMQ(shared, 2, prefetch=300, ack_every=50)]
+    return [RabbitMQ(shared), RabbitMQ(shared, 2, prefetch=100, ack_every=50)]
 
 
 def lineup(workload: str, shared: Shared, args: argparse.Namespace) -> list[Contestant]:
