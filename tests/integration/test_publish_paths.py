@@ -3,6 +3,7 @@ general path (`workqueue_publish`) write the same rows."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +18,14 @@ from hypothesis import HealthCheck, given, settings
 from pepsi.amqp.broker.publish import arrays
 from pepsi.amqp.broker.publish.params import LEAN_SQL, call_params, lean_params
 from pepsi.config import Config, load_config
-from pepsi.publishing import InvalidMessage, OutgoingMessage, Publisher, Rejected, batch
+from pepsi.publishing import (
+    AsyncPublisher,
+    InvalidMessage,
+    OutgoingMessage,
+    Publisher,
+    Rejected,
+    batch,
+)
 from pepsi.publishing.message import Row
 from tests.unit import test_message_fuzz as fuzz
 
@@ -119,6 +127,61 @@ def test_single_publish_writes_what_the_general_path_writes(
         fast = [pub.publish(msg.stage, msg.body, header=msg.header)]
         slow = general(conn, [msg], config)
         assert rows(conn, fast) == rows(conn, slow)
+
+
+BARE = [b"bytes", "text é", bytearray(b"array"), memoryview(b"view"), b"", None]
+
+
+def test_a_bare_publish_goes_the_short_way_and_writes_what_the_general_path_writes(
+    pub: Publisher, conn: Conn, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """publish(stage, body) to a stage without MAX_LENGTH makes no OutgoingMessage and no
+    batch (`batch.single`); what it stores and refuses is the general path's."""
+    assert pub.lean == {"inbound", "other"}  # not "small": its MAX_LENGTH needs the general call
+    fast = [pub.publish("inbound", body) for body in BARE]
+    slow = [general(conn, [OutgoingMessage("inbound", body)], config)[0] for body in BARE]
+    assert rows(conn, fast) == rows(conn, slow)
+    with pytest.raises(InvalidMessage, match="body must be bytes or str, not int") as short:
+        pub.publish("inbound", 7)
+    with pytest.raises(InvalidMessage) as long:
+        pub.publish_many([OutgoingMessage("inbound", 7)])  # type: ignore[arg-type]
+    assert str(short.value) == str(long.value)
+    too_big = b"x" * (config.ingress.max_message_size + 1)
+    with pytest.raises(InvalidMessage, match="over the limit") as short:
+        pub.publish("inbound", too_big)
+    with pytest.raises(InvalidMessage) as long:
+        pub.publish_many([OutgoingMessage("inbound", too_big)])
+    assert str(short.value) == str(long.value)
+
+    def no_batch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the short way makes no batch")
+
+    monkeypatch.setattr(batch, "build", no_batch)
+    assert pub.publish("other", b"x") > max(slow)
+    for general_call in (
+        lambda: pub.publish("small", b"x"),  # MAX_LENGTH
+        lambda: pub.publish("inbound", b"x", subject="s"),  # a field
+        lambda: pub.publish("inbound", b"x", retry=True),
+        lambda: pub.publish("inbound", b"x", confirm_timeout=5),
+        lambda: pub.publish(OutgoingMessage("inbound", b"x")),
+    ):
+        with pytest.raises(AssertionError, match="no batch"):
+            general_call()
+
+
+def test_a_bare_async_publish_goes_the_short_way(config: Config, dsn: str, conn: Conn) -> None:
+    async def scenario() -> list[int]:
+        async with AsyncPublisher(config, dsn) as apub:
+            assert apub.lean == {"inbound", "other"}
+            ids = [await apub.publish("inbound", body) for body in BARE]
+            with pytest.raises(InvalidMessage, match="body must be bytes or str, not int"):
+                await apub.publish("inbound", 7)
+        assert apub.lean == set()  # closed: the general path, which says so
+        return ids
+
+    fast = asyncio.run(scenario())
+    slow = [general(conn, [OutgoingMessage("inbound", body)], config)[0] for body in BARE]
+    assert rows(conn, fast) == rows(conn, slow)
 
 
 def test_amqp_batch_writes_what_the_general_path_writes(conn: Conn) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 from pepsi.config import Config, Overflow
 from pepsi.db.queries import query_text
 from pepsi.publishing.errors import NoRoute
-from pepsi.publishing.message import OutgoingMessage, Row, validate
+from pepsi.publishing.message import Body, OutgoingMessage, Row, checked_body, validate
 
 # Each returns one row per message sent, in publish order. Strings, not
 # sql.SQL: executed as they are, prepared by psycopg after a few runs. In
@@ -97,6 +97,13 @@ def build(messages: Sequence[OutgoingMessage], config: Config, *, fast: bool = T
         priorities if any(priorities) else None,
     )
     return BatchCall(SQL, params, tuple(positions))
+
+
+def single(stage: str, body: Body | None, config: Config) -> BatchCall:
+    """`build([OutgoingMessage(stage, body)], config)` without making the message, for a
+    known stage without MAX_LENGTH (the caller's check): a single publish's short way."""
+    max_size = config.ingress.max_message_size
+    return BatchCall(ONE_SQL, (stage, None, checked_body(body, max_size=max_size)), (1,))
 
 
 def ids_from(call: BatchCall, answer: Sequence[tuple[Any, ...]]) -> list[int]:

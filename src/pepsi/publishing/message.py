@@ -243,6 +243,20 @@ _NOTHING = (None, False, *(None,) * 10)
 MAX_PRIORITY = 255  # as AMQP's octet (RabbitMQ's x-max-priority ceiling)
 
 
+def _too_large(size: int, max_size: int) -> InvalidMessage:
+    return InvalidMessage(
+        f"message is {size} bytes, over the limit of {max_size} ([pepsi-ingress] MAX_MESSAGE_SIZE)"
+    )
+
+
+def checked_body(value: Body | None, *, max_size: int) -> bytes | None:
+    """The body of a message that is only a stage and a body, checked as `validate` does."""
+    body = _as_bytes("body", value)
+    if body is not None and len(body) > max_size:
+        raise _too_large(len(body), max_size)
+    return body
+
+
 def validate(msg: OutgoingMessage, *, max_size: int, now: datetime | None = None) -> Row:
     """Check `msg`; return the row it becomes, with its header block and body."""
     stage = msg.stage
@@ -252,10 +266,7 @@ def validate(msg: OutgoingMessage, *, max_size: int, now: datetime | None = None
     body = _as_bytes("body", msg.body)
     size = (0 if header is None else len(header)) + (0 if body is None else len(body))
     if size > max_size:
-        raise InvalidMessage(
-            f"message is {size} bytes, over the limit of {max_size} ([pepsi-ingress] "
-            "MAX_MESSAGE_SIZE)"
-        )
+        raise _too_large(size, max_size)
     recipients = msg.recipients
     if (  # the common case: no envelope, no properties, no expiry; nothing else to check
         msg.sender is None

@@ -4,7 +4,7 @@ Two gaps of psycopg_pool, each measured with a real server stopped for 5.8 s:
 
 - A connection the server closed while it sat in the pool (a restart, a
   failover, an idle timeout) was handed out as good: the first publish after
-  the server came back failed with NotConfirmed. `connection()` polls the
+  the server came back failed with NotConfirmed. `take()` polls the
   socket of what the pool gives: an idle connection has nothing to read unless
   the server said goodbye (its FATAL message, or EOF). No round trip, a few
   µs; such a connection is closed (the pool replaces it) and the next one
@@ -12,7 +12,7 @@ Two gaps of psycopg_pool, each measured with a real server stopped for 5.8 s:
 - psycopg_pool replaces a lost connection for `reconnect_timeout`, then gives
   up until a client asks again; a client already waiting then waited its
   whole timeout (CONNECT_TIMEOUT, 10 s) even after the server was back, and
-  got DatabaseBusy. `connection()` asks again every SLICE seconds, so each
+  got DatabaseBusy. `take()` asks again every SLICE seconds, so each
   ask makes the pool try to connect, and a waiting publish goes on within
   about a second of the server's return.
 """
@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import select
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import psycopg
@@ -43,49 +41,38 @@ def said_goodbye(conn: Conn | AConn) -> bool:
     return bool(poller.poll(0))
 
 
-@contextmanager
-def connection(pool: ConnectionPool[Any], timeout: float) -> Iterator[Conn]:
-    """`pool.connection(timeout)`, asking again every SLICE seconds, and never a connection
-    the server ended; PoolTimeout at the end."""
+def take(pool: ConnectionPool[Any], timeout: float) -> Conn:
+    """`pool.getconn(timeout)`, asking again every SLICE seconds, and never a connection
+    the server ended; PoolTimeout at the end. The caller gives it back with `putconn`
+    (no `with conn:` either: the pool's own reset does what its exit would)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            conn = pool.getconn(timeout=_slice(deadline))
+            conn: Conn = pool.getconn(timeout=_slice(deadline))
         except PoolTimeout:
             if time.monotonic() >= deadline:
                 raise
             continue
         if not said_goodbye(conn):
-            break
+            return conn
         conn.close()
         pool.putconn(conn)  # closed: the pool makes a new one
-    try:
-        with conn:
-            yield conn
-    finally:
-        pool.putconn(conn)
 
 
-@asynccontextmanager
-async def aconnection(pool: AsyncConnectionPool[Any], timeout: float) -> AsyncIterator[AConn]:
-    """The async `connection()`."""
+async def atake(pool: AsyncConnectionPool[Any], timeout: float) -> AConn:
+    """The async `take()`."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            conn = await pool.getconn(timeout=_slice(deadline))
+            conn: AConn = await pool.getconn(timeout=_slice(deadline))
         except PoolTimeout:
             if time.monotonic() >= deadline:
                 raise
             continue
         if not said_goodbye(conn):
-            break
+            return conn
         await conn.close()
         await pool.putconn(conn)  # closed: the pool makes a new one
-    try:
-        async with conn:
-            yield conn
-    finally:
-        await pool.putconn(conn)
 
 
 def _slice(deadline: float) -> float:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
+from weakref import WeakKeyDictionary
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -63,6 +64,7 @@ class Publisher(PublisherCore):
     ) -> None:
         super().__init__(config, dsn, confirm_timeout=confirm_timeout, retry=retry)
         self.pool = ConnectionPool(dsn, **pool_options(config, dsn))
+        self.cursors: WeakKeyDictionary[AnyConn, psycopg.Cursor[Any]] = WeakKeyDictionary()
 
     @classmethod
     def connect(
@@ -128,6 +130,9 @@ class Publisher(PublisherCore):
     ) -> int:
         """Publish one message; return its id once confirmed. `stage` and the fields of
         OutgoingMessage, or an OutgoingMessage alone."""
+        if self._lean(stage, fields, connection, confirm_timeout, retry):
+            call = batch.single(stage, body, self.current)  # the same checks, the same call
+            return self._attempt(None, self.confirm_timeout, self.pool.timeout, call)[0]
         return self.publish_many(
             [as_message(stage, body, fields)],
             connection=connection,
@@ -191,21 +196,30 @@ class Publisher(PublisherCore):
             time.sleep(pause)
 
     def _attempt(
-        self, items: list[OutgoingMessage], timeout: float | None, wait: float
+        self,
+        items: list[OutgoingMessage] | None,
+        timeout: float | None,
+        wait: float,
+        call: batch.BatchCall | None = None,
     ) -> list[int]:
-        """One try on a pool connection; a broken one drains the pool (a failover)."""
+        """One try on a pool connection; a broken one drains the pool (a failover).
+        `items`, or their `call` made already (then `items` is None)."""
         self._require_open()
         lost = False
         try:
-            with pool_wait.connection(self.pool, wait) as conn:
-                try:
+            conn = pool_wait.take(self.pool, wait)
+            try:
+                if call is None:
+                    assert items is not None
                     if self._needs_refresh(items):
                         self._refresh(conn)
                     call = batch.build(items, self.current)
-                    answer = self._execute(conn, call, timeout)
-                except BaseException as exc:
-                    lost = self._lost(conn, exc)
-                    raise
+                answer = self._execute(conn, call, timeout)
+            except BaseException as exc:
+                lost = self._lost(conn, exc)
+                raise
+            finally:
+                self.pool.putconn(conn)
         except psycopg.Error as exc:
             self._failed(lost, exc)
             raise domain_error(exc) from exc
@@ -214,6 +228,12 @@ class Publisher(PublisherCore):
             raise
         self.recovering = False
         return batch.ids_from(call, answer)
+
+    def _cursor(self, conn: AnyConn) -> psycopg.Cursor[Any]:
+        cursor = self.cursors.get(conn)
+        if cursor is None:
+            cursor = self.cursors[conn] = conn.cursor()
+        return cursor
 
     def _failed(self, lost: bool, exc: BaseException) -> None:
         if classify(exc) is not None:
@@ -245,8 +265,8 @@ class Publisher(PublisherCore):
                     timer = threading.Timer(timeout, deadline.fire)
                     timer.daemon = True
                     timer.start()
-                try:
-                    answer = conn.execute(call.sql, call.params).fetchall()  # one round trip
+                try:  # one round trip, on the connection's own cursor (a new one costs)
+                    answer = self._cursor(conn).execute(call.sql, call.params).fetchall()
                 finally:
                     conn.remove_notice_handler(cancelled)
                     if deadline is not None and timer is not None:
@@ -281,6 +301,7 @@ class Publisher(PublisherCore):
 
     def close(self) -> None:
         self.opened = False
+        self.lean = frozenset()
         self.pool.close()
 
     def __enter__(self) -> Self:
