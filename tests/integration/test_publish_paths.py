@@ -169,6 +169,26 @@ def test_a_bare_publish_goes_the_short_way_and_writes_what_the_general_path_writ
             general_call()
 
 
+def test_a_single_publishs_prepared_statement_is_made_again_when_gone(
+    pub: Publisher, conn: Conn
+) -> None:
+    first = pub.publish("inbound", b"one")
+    for statement in ("DEALLOCATE ALL", "DISCARD ALL"):
+        with pub.pool.connection() as pooled:
+            pooled.execute(statement)
+        assert pub.publish("inbound", b"again") > first
+    conn.execute(
+        "CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+        " RAISE EXCEPTION 'full' USING ERRCODE = 'PP001', DETAIL = 'inbound'; END $$"
+    )
+    conn.execute(
+        "CREATE TRIGGER refuse BEFORE INSERT ON pepsi.workqueue_body"
+        " FOR EACH ROW EXECUTE FUNCTION public.refuse()"
+    )
+    with pytest.raises(Rejected, match="full"):  # its errors are psycopg's, told apart as ever
+        pub.publish("inbound", b"refused")
+
+
 def test_a_bare_async_publish_goes_the_short_way(config: Config, dsn: str, conn: Conn) -> None:
     async def scenario() -> list[int]:
         async with AsyncPublisher(config, dsn) as apub:

@@ -23,7 +23,7 @@ from pepsi.admin import serving
 from pepsi.config import Config, read_overlay_async
 from pepsi.db import connect as db_connect
 from pepsi.errors import DatabaseUnavailable, PepsiError, classify
-from pepsi.publishing import batch, pool_wait
+from pepsi.publishing import batch, pool_wait, single
 from pepsi.publishing import retry as retrying
 from pepsi.publishing.client_core import (
     AnyAConn,
@@ -253,10 +253,12 @@ class AsyncPublisher(PublisherCore):
                 if timeout is not None:  # shuts the socket down; never a cancel (see above)
                     deadline = ConfirmDeadline(conn)
                     timer = asyncio.get_running_loop().call_later(timeout, deadline.fire)
-                try:  # on the connection's own cursor (a new one costs)
-                    answer = await (
-                        await self._cursor(conn).execute(call.sql, call.params)
-                    ).fetchall()
+                try:  # a single message by libpq, others on the connection's own cursor
+                    if call.sql is batch.ONE_SQL:
+                        answer: list[tuple[Any, ...]] = await single.apublish(conn, call.params)
+                    else:
+                        cursor = await self._cursor(conn).execute(call.sql, call.params)
+                        answer = await cursor.fetchall()
                 finally:
                     conn.remove_notice_handler(cancelled)
                     if deadline is not None and timer is not None:

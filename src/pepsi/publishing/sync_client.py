@@ -24,7 +24,7 @@ from pepsi.admin import serving
 from pepsi.config import Config, read_overlay
 from pepsi.db import connect as db_connect
 from pepsi.errors import DatabaseUnavailable, PepsiError, classify
-from pepsi.publishing import batch, pool_wait
+from pepsi.publishing import batch, pool_wait, single
 from pepsi.publishing import retry as retrying
 from pepsi.publishing.async_client import AsyncPublisher
 from pepsi.publishing.client_core import (
@@ -265,8 +265,11 @@ class Publisher(PublisherCore):
                     timer = threading.Timer(timeout, deadline.fire)
                     timer.daemon = True
                     timer.start()
-                try:  # one round trip, on the connection's own cursor (a new one costs)
-                    answer = self._cursor(conn).execute(call.sql, call.params).fetchall()
+                try:  # one round trip: a single message by libpq, others on the connection's
+                    if call.sql is batch.ONE_SQL:  # own cursor (a new one costs)
+                        answer: list[tuple[Any, ...]] = single.publish(conn, call.params)
+                    else:
+                        answer = self._cursor(conn).execute(call.sql, call.params).fetchall()
                 finally:
                     conn.remove_notice_handler(cancelled)
                     if deadline is not None and timer is not None:
