@@ -27,6 +27,7 @@ from pepsi.publishing import (
     batch,
 )
 from pepsi.publishing.message import Row
+from tests.scenarios.conftest import wait_until
 from tests.unit import test_message_fuzz as fuzz
 
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -358,3 +359,43 @@ def test_the_cli_refuses_bad_fields_in_one_line(
     assert done.returncode == 65, done.stderr
     assert problem in done.stderr
     assert done.stderr.count(b"\n") == 1  # one line, no traceback
+
+
+# -- the spare connection (pool_wait.Spare) -------------------------------------------------
+
+
+def backends(conn: Conn) -> list[int]:
+    found = conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = 'pepsi-publish'"
+        " AND datname = current_database()"
+    ).fetchall()
+    return [int(pid) for (pid,) in found]
+
+
+def test_the_spare_goes_back_on_close_and_a_dead_one_is_replaced(
+    config: Config, dsn: str, conn: Conn
+) -> None:
+    with Publisher(config, dsn) as publisher:
+        for body in (b"1", b"2", b"3"):  # the first goes back to the pool, then kept
+            publisher.publish("inbound", body)  # (within SPARE_SECONDS of that)
+            if publisher.spare.held:
+                break
+        assert len(publisher.spare.held) == 1
+        spare = publisher.spare.held[0]
+        pid = spare.info.backend_pid
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_until(lambda: pid not in backends(conn), what="its end")
+        assert publisher.publish("inbound", b"4") > 0  # not NotConfirmed: said goodbye
+        assert spare.closed
+    assert publisher.spare.held == []
+    wait_until(lambda: backends(conn) == [], what="every connection closed")
+
+
+def test_a_pool_of_one_keeps_no_spare(tmp_path: Path, dsn: str) -> None:
+    path = tmp_path / "pepsi.conf"
+    path.write_text(CONF + "[pepsi-postgres]\nPOOL_MAX_SIZE = 1\n")
+    with Publisher(load_config(path), dsn) as publisher:
+        for body in (b"1", b"2", b"3"):
+            publisher.publish("inbound", body)
+            assert publisher.spare.held == []
+            publisher.refresh()  # the pool's one connection is there for it

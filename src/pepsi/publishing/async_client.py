@@ -56,6 +56,7 @@ class AsyncPublisher(PublisherCore):
     ) -> None:
         super().__init__(config, dsn, confirm_timeout=confirm_timeout, retry=retry)
         self.pool = AsyncConnectionPool(dsn, **pool_options(config, dsn))
+        self.spare = pool_wait.ASpare(self.pool)
         self.cursors: WeakKeyDictionary[AnyAConn, psycopg.AsyncCursor[Any]] = WeakKeyDictionary()
 
     @classmethod
@@ -203,14 +204,14 @@ class AsyncPublisher(PublisherCore):
         `items`, or their `call` made already (then `items` is None)."""
         lost = False
         try:
-            conn = await pool_wait.atake(self.pool, wait)
+            conn = await self.spare.take(wait)
             try:
                 ids = await self._publish(conn, items, timeout, call)
             except BaseException as exc:
                 lost = self._lost(conn, exc)
-                raise
-            finally:
                 await self.pool.putconn(conn)
+                raise
+            await self.spare.give(conn)
         except psycopg.Error as exc:
             await self._failed(lost, exc)
             raise domain_error(exc) from exc
@@ -230,6 +231,7 @@ class AsyncPublisher(PublisherCore):
         if classify(exc) is not None:
             self.recovering = True
         if lost:
+            await self.spare.release()
             await self.pool.drain()  # the others are likely on the old primary too
 
     async def _publish(
@@ -290,6 +292,7 @@ class AsyncPublisher(PublisherCore):
     async def close(self) -> None:
         self.opened = False
         self.lean = frozenset()
+        await self.spare.release()
         await self.pool.close()
 
     async def __aenter__(self) -> Self:

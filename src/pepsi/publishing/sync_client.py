@@ -64,6 +64,7 @@ class Publisher(PublisherCore):
     ) -> None:
         super().__init__(config, dsn, confirm_timeout=confirm_timeout, retry=retry)
         self.pool = ConnectionPool(dsn, **pool_options(config, dsn))
+        self.spare = pool_wait.Spare(self.pool)
         self.cursors: WeakKeyDictionary[AnyConn, psycopg.Cursor[Any]] = WeakKeyDictionary()
 
     @classmethod
@@ -207,7 +208,7 @@ class Publisher(PublisherCore):
         self._require_open()
         lost = False
         try:
-            conn = pool_wait.take(self.pool, wait)
+            conn = self.spare.take(wait)
             try:
                 if call is None:
                     assert items is not None
@@ -217,9 +218,9 @@ class Publisher(PublisherCore):
                 answer = self._execute(conn, call, timeout)
             except BaseException as exc:
                 lost = self._lost(conn, exc)
-                raise
-            finally:
                 self.pool.putconn(conn)
+                raise
+            self.spare.give(conn)
         except psycopg.Error as exc:
             self._failed(lost, exc)
             raise domain_error(exc) from exc
@@ -239,6 +240,7 @@ class Publisher(PublisherCore):
         if classify(exc) is not None:
             self.recovering = True
         if lost:
+            self.spare.release()
             self.pool.drain()  # the others are likely on the old primary too
 
     def _run(self, connection: AnyConn | None, work: Callable[[AnyConn], T]) -> T:
@@ -305,6 +307,7 @@ class Publisher(PublisherCore):
     def close(self) -> None:
         self.opened = False
         self.lean = frozenset()
+        self.spare.release()
         self.pool.close()
 
     def __enter__(self) -> Self:
