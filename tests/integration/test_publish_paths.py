@@ -190,6 +190,14 @@ def test_a_single_publishs_prepared_statement_is_made_again_when_gone(
         pub.publish("inbound", b"refused")
 
 
+def test_a_callers_connection_is_left_without_a_prepared_statement(
+    pub: Publisher, dsn: str
+) -> None:
+    with psycopg.connect(dsn, autocommit=True) as own:
+        assert pub.publish("inbound", b"x", connection=own) > 0  # its own transaction
+        assert own.execute("SELECT name FROM pg_prepared_statements").fetchall() == []
+
+
 def test_a_bare_async_publish_goes_the_short_way(config: Config, dsn: str, conn: Conn) -> None:
     async def scenario() -> list[int]:
         async with AsyncPublisher(config, dsn) as apub:

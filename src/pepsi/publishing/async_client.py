@@ -240,7 +240,10 @@ class AsyncPublisher(PublisherCore):
         items: list[OutgoingMessage] | None,
         timeout: float | None,
         call: batch.BatchCall | None = None,
+        *,
+        pooled: bool = False,
     ) -> list[int]:
+        """As the sync `_execute`: a single publish by libpq on a pool's connection only."""
         if call is None:
             assert items is not None
             if self._needs_refresh(items):
@@ -255,11 +258,12 @@ class AsyncPublisher(PublisherCore):
                 if timeout is not None:  # shuts the socket down; never a cancel (see above)
                     deadline = ConfirmDeadline(conn)
                     timer = asyncio.get_running_loop().call_later(timeout, deadline.fire)
-                try:  # a single message by libpq, others on the connection's own cursor
-                    if call.sql is batch.ONE_SQL:
+                try:  # on a pool connection: one message by libpq, others on its own cursor
+                    if pooled and call.sql is batch.ONE_SQL:
                         answer: list[tuple[Any, ...]] = await single.apublish(conn, call.params)
                     else:
-                        cursor = await self._cursor(conn).execute(call.sql, call.params)
+                        own = self._cursor(conn) if pooled else conn.cursor()
+                        cursor = await own.execute(call.sql, call.params)
                         answer = await cursor.fetchall()
                 finally:
                     conn.remove_notice_handler(cancelled)
