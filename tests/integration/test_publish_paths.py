@@ -3,6 +3,7 @@ general path (`workqueue_publish`) write the same rows."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,8 +18,16 @@ from hypothesis import HealthCheck, given, settings
 from pepsi.amqp.broker.publish import arrays
 from pepsi.amqp.broker.publish.params import LEAN_SQL, call_params, lean_params
 from pepsi.config import Config, load_config
-from pepsi.publishing import InvalidMessage, OutgoingMessage, Publisher, Rejected, batch
+from pepsi.publishing import (
+    AsyncPublisher,
+    InvalidMessage,
+    OutgoingMessage,
+    Publisher,
+    Rejected,
+    batch,
+)
 from pepsi.publishing.message import Row
+from tests.scenarios.conftest import wait_until
 from tests.unit import test_message_fuzz as fuzz
 
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -119,6 +128,89 @@ def test_single_publish_writes_what_the_general_path_writes(
         fast = [pub.publish(msg.stage, msg.body, header=msg.header)]
         slow = general(conn, [msg], config)
         assert rows(conn, fast) == rows(conn, slow)
+
+
+BARE = [b"bytes", "text é", bytearray(b"array"), memoryview(b"view"), b"", None]
+
+
+def test_a_bare_publish_goes_the_short_way_and_writes_what_the_general_path_writes(
+    pub: Publisher, conn: Conn, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """publish(stage, body) to a stage without MAX_LENGTH makes no OutgoingMessage and no
+    batch (`batch.single`); what it stores and refuses is the general path's."""
+    assert pub.lean == {"inbound", "other"}  # not "small": its MAX_LENGTH needs the general call
+    fast = [pub.publish("inbound", body) for body in BARE]
+    slow = [general(conn, [OutgoingMessage("inbound", body)], config)[0] for body in BARE]
+    assert rows(conn, fast) == rows(conn, slow)
+    with pytest.raises(InvalidMessage, match="body must be bytes or str, not int") as short:
+        pub.publish("inbound", 7)
+    with pytest.raises(InvalidMessage) as long:
+        pub.publish_many([OutgoingMessage("inbound", 7)])  # type: ignore[arg-type]
+    assert str(short.value) == str(long.value)
+    too_big = b"x" * (config.ingress.max_message_size + 1)
+    with pytest.raises(InvalidMessage, match="over the limit") as short:
+        pub.publish("inbound", too_big)
+    with pytest.raises(InvalidMessage) as long:
+        pub.publish_many([OutgoingMessage("inbound", too_big)])
+    assert str(short.value) == str(long.value)
+
+    def no_batch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the short way makes no batch")
+
+    monkeypatch.setattr(batch, "build", no_batch)
+    assert pub.publish("other", b"x") > max(slow)
+    for general_call in (
+        lambda: pub.publish("small", b"x"),  # MAX_LENGTH
+        lambda: pub.publish("inbound", b"x", subject="s"),  # a field
+        lambda: pub.publish("inbound", b"x", retry=True),
+        lambda: pub.publish("inbound", b"x", confirm_timeout=5),
+        lambda: pub.publish(OutgoingMessage("inbound", b"x")),
+    ):
+        with pytest.raises(AssertionError, match="no batch"):
+            general_call()
+
+
+def test_a_single_publishs_prepared_statement_is_made_again_when_gone(
+    pub: Publisher, conn: Conn
+) -> None:
+    first = pub.publish("inbound", b"one")
+    for statement in ("DEALLOCATE ALL", "DISCARD ALL"):
+        with pub.pool.connection() as pooled:
+            pooled.execute(statement)
+        assert pub.publish("inbound", b"again") > first
+    conn.execute(
+        "CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+        " RAISE EXCEPTION 'full' USING ERRCODE = 'PP001', DETAIL = 'inbound'; END $$"
+    )
+    conn.execute(
+        "CREATE TRIGGER refuse BEFORE INSERT ON pepsi.workqueue_body"
+        " FOR EACH ROW EXECUTE FUNCTION public.refuse()"
+    )
+    with pytest.raises(Rejected, match="full"):  # its errors are psycopg's, told apart as ever
+        pub.publish("inbound", b"refused")
+
+
+def test_a_callers_connection_is_left_without_a_prepared_statement(
+    pub: Publisher, dsn: str
+) -> None:
+    with psycopg.connect(dsn, autocommit=True) as own:
+        assert pub.publish("inbound", b"x", connection=own) > 0  # its own transaction
+        assert own.execute("SELECT name FROM pg_prepared_statements").fetchall() == []
+
+
+def test_a_bare_async_publish_goes_the_short_way(config: Config, dsn: str, conn: Conn) -> None:
+    async def scenario() -> list[int]:
+        async with AsyncPublisher(config, dsn) as apub:
+            assert apub.lean == {"inbound", "other"}
+            ids = [await apub.publish("inbound", body) for body in BARE]
+            with pytest.raises(InvalidMessage, match="body must be bytes or str, not int"):
+                await apub.publish("inbound", 7)
+        assert apub.lean == set()  # closed: the general path, which says so
+        return ids
+
+    fast = asyncio.run(scenario())
+    slow = [general(conn, [OutgoingMessage("inbound", body)], config)[0] for body in BARE]
+    assert rows(conn, fast) == rows(conn, slow)
 
 
 def test_amqp_batch_writes_what_the_general_path_writes(conn: Conn) -> None:
@@ -275,3 +367,43 @@ def test_the_cli_refuses_bad_fields_in_one_line(
     assert done.returncode == 65, done.stderr
     assert problem in done.stderr
     assert done.stderr.count(b"\n") == 1  # one line, no traceback
+
+
+# -- the spare connection (pool_wait.Spare) -------------------------------------------------
+
+
+def backends(conn: Conn) -> list[int]:
+    found = conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = 'pepsi-publish'"
+        " AND datname = current_database()"
+    ).fetchall()
+    return [int(pid) for (pid,) in found]
+
+
+def test_the_spare_goes_back_on_close_and_a_dead_one_is_replaced(
+    config: Config, dsn: str, conn: Conn
+) -> None:
+    with Publisher(config, dsn) as publisher:
+        for body in (b"1", b"2", b"3"):  # the first goes back to the pool, then kept
+            publisher.publish("inbound", body)  # (within SPARE_SECONDS of that)
+            if publisher.spare.held:
+                break
+        assert len(publisher.spare.held) == 1
+        spare = publisher.spare.held[0]
+        pid = spare.info.backend_pid
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_until(lambda: pid not in backends(conn), what="its end")
+        assert publisher.publish("inbound", b"4") > 0  # not NotConfirmed: said goodbye
+        assert spare.closed
+    assert publisher.spare.held == []
+    wait_until(lambda: backends(conn) == [], what="every connection closed")
+
+
+def test_a_pool_of_one_keeps_no_spare(tmp_path: Path, dsn: str) -> None:
+    path = tmp_path / "pepsi.conf"
+    path.write_text(CONF + "[pepsi-postgres]\nPOOL_MAX_SIZE = 1\n")
+    with Publisher(load_config(path), dsn) as publisher:
+        for body in (b"1", b"2", b"3"):
+            publisher.publish("inbound", body)
+            assert publisher.spare.held == []
+            publisher.refresh()  # the pool's one connection is there for it

@@ -257,6 +257,36 @@ def test_confirm_timeout_closes_the_connection_and_the_row_waits(
     wait_until(lambda: stored(released, "ct-sync") == 1, what="the row once confirmed")
 
 
+def bodies(dsn: str, body: bytes) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pepsi.workqueue_body WHERE body = %s", (body,)
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+
+def test_a_bare_publishs_confirm_timeout_too(released: str, tmp_path: Path) -> None:
+    """publish(stage, body): its statement sent by libpq (publishing/single.py), the
+    socket shut down under it all the same; the next one gets a fresh connection."""
+    conf = tmp_path / "pepsi.conf"
+    conf.write_text(CONF)
+    with Publisher.connect(load_config(conf), released, confirm_timeout=0.5) as publisher:
+        first = publisher.pool.getconn()
+        publisher.pool.putconn(first)
+        started = time.monotonic()
+        with pytest.raises(NotConfirmed, match=r"confirm_timeout=0\.5s"):
+            publisher.publish("a", b"bare-1")
+        assert 0.5 <= time.monotonic() - started < 5.0
+        assert first.closed
+        waiting(released)
+        with pytest.raises(NotConfirmed, match=r"confirm_timeout=0\.5s"):
+            publisher.publish("a", b"bare-2")
+    assert bodies(released, b"bare-1") == bodies(released, b"bare-2") == 0
+    require_standby(released, "")
+    wait_until(lambda: bodies(released, b"bare-1") == 1, what="the row once confirmed")
+    wait_until(lambda: bodies(released, b"bare-2") == 1, what="the second once confirmed")
+
+
 def test_confirm_timeout_of_the_async_publisher(released: str, tmp_path: Path) -> None:
     conf = tmp_path / "pepsi.conf"
     conf.write_text(CONF)

@@ -65,6 +65,29 @@ def test_sender_key(conn: Conn, columns: dict[str, object], expected: str) -> No
     assert sender_key(conn, **columns) == expected
 
 
+@pytest.mark.parametrize(
+    ("columns", "expected"),
+    [
+        # the keys the INSERT trigger's short WHEN clause takes as right
+        ({"origin_user": "alice", "sender_key": "user:alice"}, "user:alice"),
+        ({"sender_key": "null:"}, "null:"),
+        # anything else it hands to the function, which puts it right
+        ({"origin_user": "alice", "sender_key": "user:bob"}, "user:alice"),
+        ({"origin_user": "alice", "sender_key": "null:"}, "user:alice"),
+        ({"origin_peer": "192.0.2.7", "sender_key": "null:"}, "ip:192.0.2.7"),
+        ({"sender": "a@B.example", "sender_key": "null:"}, "from:b.example"),
+        ({"sender": "", "sender_key": "null:"}, "null:"),
+        ({"recipients": ["r@D.example"], "sender_key": "null:"}, "null:d.example"),
+        ({"sender_key": "user:"}, "null:"),
+        ({"sender_key": "null:x"}, "null:"),
+    ],
+)
+def test_an_inserted_sender_key_is_right_whatever_the_writer_gave(
+    conn: Conn, columns: dict[str, object], expected: str
+) -> None:
+    assert sender_key(conn, **columns) == expected
+
+
 def test_sender_key_follows_its_inputs_and_cannot_be_set(conn: Conn) -> None:
     """A trigger fills the column from the row (a stored generated column made every
     UPDATE of a row recompute it), so a value written by hand never sticks."""

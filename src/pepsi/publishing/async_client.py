@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
+from weakref import WeakKeyDictionary
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
@@ -22,7 +23,7 @@ from pepsi.admin import serving
 from pepsi.config import Config, read_overlay_async
 from pepsi.db import connect as db_connect
 from pepsi.errors import DatabaseUnavailable, PepsiError, classify
-from pepsi.publishing import batch, pool_wait
+from pepsi.publishing import batch, pool_wait, single
 from pepsi.publishing import retry as retrying
 from pepsi.publishing.client_core import (
     AnyAConn,
@@ -55,6 +56,8 @@ class AsyncPublisher(PublisherCore):
     ) -> None:
         super().__init__(config, dsn, confirm_timeout=confirm_timeout, retry=retry)
         self.pool = AsyncConnectionPool(dsn, **pool_options(config, dsn))
+        self.spare = pool_wait.ASpare(self.pool)
+        self.cursors: WeakKeyDictionary[AnyAConn, psycopg.AsyncCursor[Any]] = WeakKeyDictionary()
 
     @classmethod
     async def connect(
@@ -125,6 +128,9 @@ class AsyncPublisher(PublisherCore):
     ) -> int:
         """Publish one message; return its id once confirmed. `stage` and the fields of
         OutgoingMessage, or an OutgoingMessage alone."""
+        if self._lean(stage, fields, connection, confirm_timeout, retry):
+            call = batch.single(stage, body, self.current)  # the same checks, the same call
+            return (await self._attempt(None, self.confirm_timeout, self.pool.timeout, call))[0]
         ids = await self.publish_many(
             [as_message(stage, body, fields)],
             connection=connection,
@@ -188,17 +194,24 @@ class AsyncPublisher(PublisherCore):
             await asyncio.sleep(pause)
 
     async def _attempt(
-        self, items: list[OutgoingMessage], timeout: float | None, wait: float
+        self,
+        items: list[OutgoingMessage] | None,
+        timeout: float | None,
+        wait: float,
+        call: batch.BatchCall | None = None,
     ) -> list[int]:
-        """One try on a pool connection; a broken one drains the pool (a failover)."""
+        """One try on a pool connection; a broken one drains the pool (a failover).
+        `items`, or their `call` made already (then `items` is None)."""
         lost = False
         try:
-            async with pool_wait.aconnection(self.pool, wait) as conn:
-                try:
-                    ids = await self._publish(conn, items, timeout)
-                except BaseException as exc:
-                    lost = self._lost(conn, exc)
-                    raise
+            conn = await self.spare.take(wait)
+            try:
+                ids = await self._publish(conn, items, timeout, call)
+            except BaseException as exc:
+                lost = self._lost(conn, exc)
+                await self.pool.putconn(conn)
+                raise
+            await self.spare.give(conn)
         except psycopg.Error as exc:
             await self._failed(lost, exc)
             raise domain_error(exc) from exc
@@ -208,18 +221,34 @@ class AsyncPublisher(PublisherCore):
         self.recovering = False
         return ids
 
+    def _cursor(self, conn: AnyAConn) -> psycopg.AsyncCursor[Any]:
+        cursor = self.cursors.get(conn)
+        if cursor is None:
+            cursor = self.cursors[conn] = conn.cursor()
+        return cursor
+
     async def _failed(self, lost: bool, exc: BaseException) -> None:
         if classify(exc) is not None:
             self.recovering = True
         if lost:
+            await self.spare.release()
             await self.pool.drain()  # the others are likely on the old primary too
 
     async def _publish(
-        self, conn: AnyAConn, items: list[OutgoingMessage], timeout: float | None
+        self,
+        conn: AnyAConn,
+        items: list[OutgoingMessage] | None,
+        timeout: float | None,
+        call: batch.BatchCall | None = None,
+        *,
+        pooled: bool = False,
     ) -> list[int]:
-        if self._needs_refresh(items):
-            await self._refresh(conn)
-        call = batch.build(items, self.current)
+        """As the sync `_execute`: a single publish by libpq on a pool's connection only."""
+        if call is None:
+            assert items is not None
+            if self._needs_refresh(items):
+                await self._refresh(conn)
+            call = batch.build(items, self.current)
         deadline: ConfirmDeadline | None = None
         try:
             if owns_transaction(conn):
@@ -229,8 +258,13 @@ class AsyncPublisher(PublisherCore):
                 if timeout is not None:  # shuts the socket down; never a cancel (see above)
                     deadline = ConfirmDeadline(conn)
                     timer = asyncio.get_running_loop().call_later(timeout, deadline.fire)
-                try:
-                    answer = await (await conn.execute(call.sql, call.params)).fetchall()
+                try:  # on a pool connection: one message by libpq, others on its own cursor
+                    if pooled and call.sql is batch.ONE_SQL:
+                        answer: list[tuple[Any, ...]] = await single.apublish(conn, call.params)
+                    else:
+                        own = self._cursor(conn) if pooled else conn.cursor()
+                        cursor = await own.execute(call.sql, call.params)
+                        answer = await cursor.fetchall()
                 finally:
                     conn.remove_notice_handler(cancelled)
                     if deadline is not None and timer is not None:
@@ -261,6 +295,8 @@ class AsyncPublisher(PublisherCore):
 
     async def close(self) -> None:
         self.opened = False
+        self.lean = frozenset()
+        await self.spare.release()
         await self.pool.close()
 
     async def __aenter__(self) -> Self:

@@ -20,7 +20,15 @@ from typing import Any
 from pepsi.config import Config, Overflow
 from pepsi.db.queries import query_text
 from pepsi.publishing.errors import NoRoute
-from pepsi.publishing.message import OutgoingMessage, Row, validate
+from pepsi.publishing.message import (
+    Body,
+    OutgoingMessage,
+    Row,
+    bare,
+    checked_body,
+    parts,
+    validate,
+)
 
 # Each returns one row per message sent, in publish order. Strings, not
 # sql.SQL: executed as they are, prepared by psycopg after a few runs. In
@@ -53,6 +61,8 @@ def build(messages: Sequence[OutgoingMessage], config: Config, *, fast: bool = T
 
     `fast=False` always makes the general call (the tests compare the paths).
     """
+    if fast and (call := _plain(messages, config)) is not None:
+        return call
     stages = config.stages
     max_size = config.ingress.max_message_size
     rows: list[Row] = []
@@ -97,6 +107,38 @@ def build(messages: Sequence[OutgoingMessage], config: Config, *, fast: bool = T
         priorities if any(priorities) else None,
     )
     return BatchCall(SQL, params, tuple(positions))
+
+
+def _plain(messages: Sequence[OutgoingMessage], config: Config) -> BatchCall | None:
+    """The fast paths' call, made without rows; None as soon as a message needs more
+    (the general loop then checks every message again, in order, with the same errors)."""
+    stages = config.stages
+    unlimited = {name for name, stage in stages.items() if stage.max_length is None}
+    max_size = config.ingress.max_message_size
+    names: list[str] = []
+    headers: list[bytes | None] = []
+    bodies: list[bytes | None] = []
+    for msg in messages:
+        stage = msg.stage
+        if type(stage) is not str or stage not in unlimited or not bare(msg):
+            return None
+        header, body = parts(msg, max_size=max_size)
+        names.append(stage)
+        headers.append(header)
+        bodies.append(body)
+    if not names:
+        return None
+    positions = tuple(range(1, len(names) + 1))
+    if len(names) == 1:
+        return BatchCall(ONE_SQL, (names[0], headers[0], bodies[0]), positions)
+    return BatchCall(PLAIN_SQL, (names, headers, bodies), positions)
+
+
+def single(stage: str, body: Body | None, config: Config) -> BatchCall:
+    """`build([OutgoingMessage(stage, body)], config)` without making the message, for a
+    known stage without MAX_LENGTH (the caller's check): a single publish's short way."""
+    max_size = config.ingress.max_message_size
+    return BatchCall(ONE_SQL, (stage, None, checked_body(body, max_size=max_size)), (1,))
 
 
 def ids_from(call: BatchCall, answer: Sequence[tuple[Any, ...]]) -> list[int]:

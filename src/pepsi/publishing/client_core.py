@@ -27,9 +27,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import psycopg
+from psycopg import pq
 
 from pepsi.admin import serving
 from pepsi.config import Config, OverlayRow, load_config, with_overlay
@@ -107,7 +108,7 @@ def publish_error(exc: psycopg.Error) -> PepsiError:
 
 def owns_transaction(conn: AnyConn | AnyAConn) -> bool:
     """Whether the publish statement is its own transaction (its commit is the confirm)."""
-    return conn.autocommit and conn.info.transaction_status.name == "IDLE"
+    return conn.autocommit and conn.pgconn.transaction_status == pq.TransactionStatus.IDLE
 
 
 def confirm_timeout_of(given: float | None, default: float | None) -> float | None:
@@ -169,12 +170,15 @@ class PublisherCore:
         self.retry = retrying.policy(retry, None)
         self.recovering = False  # a connection was lost and none has worked since
         self.unserved: set[str] = set()  # stages the running dispatcher does not serve, unsaid
+        # The stages `publish(stage, body)` goes to the short way (`_lean`); none until open.
+        self.lean: frozenset[str] = frozenset()
 
     def _note_served(self, served: tuple[int | None, frozenset[str] | None]) -> None:
         """At open: the configured stages the running dispatcher does not serve."""
         pid, serves = served
         stages = dict.fromkeys(self.base.stages, 1)
         self.unserved = {s for s, _ in serving.unserved(stages, serves, running=pid is not None)}
+        self._relean()
 
     def _warn_unserved(self, items: Sequence[OutgoingMessage]) -> None:
         """Once per stage: a publish to a stage the running dispatcher does not serve."""
@@ -186,6 +190,40 @@ class PublisherCore:
                 stage,
                 stage,
             )
+            self._relean()
+
+    def _relean(self) -> None:
+        """Which stages a bare `publish(stage, body)` may go to without an OutgoingMessage
+        and a batch: known, without MAX_LENGTH, no warning due; none if every publish is
+        retried (a message id each) or traced (a span each)."""
+        if self.retry is not None or self.base.pepsi.share_telemetry:
+            self.lean = frozenset()
+            return
+        stages = self.current.stages.items()
+        self.lean = frozenset(
+            name
+            for name, s in stages
+            if name and s.max_length is None and name not in self.unserved
+        )
+
+    def _lean(
+        self,
+        stage: object,
+        fields: dict[str, Any],
+        connection: object,
+        timeout: object,
+        retry: object,
+    ) -> TypeGuard[str]:
+        """Whether a publish() call is only a known stage and a body, on the pool, with the
+        publisher's options: the call `batch.single` makes, checked as any other."""
+        return (
+            type(stage) is str
+            and stage in self.lean
+            and not fields
+            and connection is None
+            and timeout is None
+            and retry is None
+        )
 
     def _options(
         self, confirm_timeout: float | None, retry: Retry | bool | None, connection: object
@@ -217,6 +255,8 @@ class PublisherCore:
 
     def _apply(self, overlay: Sequence[OverlayRow]) -> None:
         self.current = with_overlay(self.base, overlay)
+        if self.opened:
+            self._relean()
 
     def _needs_refresh(self, messages: Sequence[OutgoingMessage]) -> bool:
         return any(m.stage not in self.current.stages for m in messages)

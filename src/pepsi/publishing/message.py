@@ -243,21 +243,46 @@ _NOTHING = (None, False, *(None,) * 10)
 MAX_PRIORITY = 255  # as AMQP's octet (RabbitMQ's x-max-priority ceiling)
 
 
+def _too_large(size: int, max_size: int) -> InvalidMessage:
+    return InvalidMessage(
+        f"message is {size} bytes, over the limit of {max_size} ([pepsi-ingress] MAX_MESSAGE_SIZE)"
+    )
+
+
+def checked_body(value: Body | None, *, max_size: int) -> bytes | None:
+    """The body of a message that is only a stage and a body, checked as `validate` does."""
+    body = _as_bytes("body", value)
+    if body is not None and len(body) > max_size:
+        raise _too_large(len(body), max_size)
+    return body
+
+
 def validate(msg: OutgoingMessage, *, max_size: int, now: datetime | None = None) -> Row:
     """Check `msg`; return the row it becomes, with its header block and body."""
     stage = msg.stage
     if not isinstance(stage, str) or not stage:
         raise InvalidMessage("stage must be a non-empty string")
+    header, body = parts(msg, max_size=max_size)
+    if bare(msg):
+        return Row(stage, *_NOTHING, header, body)
+    return _checked(msg, header, body, now)
+
+
+def parts(msg: OutgoingMessage, *, max_size: int) -> tuple[bytes | None, bytes | None]:
+    """The header block and the body, as bytes, within MAX_MESSAGE_SIZE together."""
     header = _as_bytes("header", msg.header)
     body = _as_bytes("body", msg.body)
     size = (0 if header is None else len(header)) + (0 if body is None else len(body))
     if size > max_size:
-        raise InvalidMessage(
-            f"message is {size} bytes, over the limit of {max_size} ([pepsi-ingress] "
-            "MAX_MESSAGE_SIZE)"
-        )
+        raise _too_large(size, max_size)
+    return header, body
+
+
+def bare(msg: OutgoingMessage) -> bool:
+    """Only a stage, a header block and a body: no envelope, no properties, no expiry,
+    no priority, nothing else to check or store (the publish functions' fast paths)."""
     recipients = msg.recipients
-    if (  # the common case: no envelope, no properties, no expiry; nothing else to check
+    return (
         msg.sender is None
         and msg.message_id is None
         and not msg.dedup
@@ -274,9 +299,7 @@ def validate(msg: OutgoingMessage, *, max_size: int, now: datetime | None = None
         and not msg.properties
         and msg.priority == 0
         and type(msg.priority) is int
-    ):
-        return Row(stage, *_NOTHING, header, body)
-    return _checked(msg, header, body, now)
+    )
 
 
 def _checked(

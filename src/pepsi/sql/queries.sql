@@ -244,6 +244,9 @@ SELECT * FROM pepsi.workqueue_publish_plain(%b::text[], %b::bytea[], %b::bytea[]
 -- name: workqueue_publish_one
 SELECT pepsi.workqueue_publish_one(%b::text, %b::bytea, %b::bytea)
 
+-- name: workqueue_publish_one_prepared
+SELECT pepsi.workqueue_publish_one($1::text, $2::bytea, $3::bytea)
+
 -- name: amqp_publish
 -- The AMQP listener's batch for queues without a length limit (pepsi.amqp_publish).
 SELECT pepsi.amqp_publish(%b::text[], %b::text[], %b::text[], %b::inet[], %b::text[], %b::text[], %b::jsonb[], %b::timestamptz[], %b::bytea[], %b::bytea[], %b::smallint[])
