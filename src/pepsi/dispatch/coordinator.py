@@ -90,7 +90,7 @@ class Dispatcher(Endpoints):
         session_options = SessionOptions.from_config(config, dsn)
         self.session = Session(session_options, lambda: self.stopping, clock)
         self.listener = Listener(session_options, self.wake, self.on_channel)
-        self.claimer = Claimer(fair)
+        self.claimer = Claimer(fair, synchronous=config.postgres.worker_synchronous_commit)
         self.sweeper = Sweeper(SweepOptions.from_config(config), self.stats, clock)
         self.flusher = StatsFlusher(self.stats, options.stats_interval, self.started_at, clock)
         # the live snapshot (NOTIFY pepsi_live): the metrics endpoint's numbers, every second

@@ -179,7 +179,13 @@ WHERE w.workqueue_id = ANY(ARRAY(SELECT (e ->> 'workqueue_id')::bigint
 -- name: workqueue_claim_fifo
 -- P-4: one statement claims, for every stage with free capacity, up to that
 -- stage's capacity of its oldest pending rows (see pepsi.workqueue_claim_fifo).
-SELECT workqueue_id, stage, priority FROM pepsi.workqueue_claim_fifo(%(stages)s::text[], %(caps)s::integer[]);
+-- `commit` 'off': the claim's commit does not wait for its WAL flush (NULL: the
+-- session's synchronous_commit); set for this statement's transaction only,
+-- and read at its commit, so the order of the two FROM items does not matter.
+SELECT c.workqueue_id, c.stage, c.priority
+FROM set_config('synchronous_commit',
+                coalesce(%(commit)s::text, current_setting('synchronous_commit')), true) AS s,
+     pepsi.workqueue_claim_fifo(%(stages)s::text[], %(caps)s::integer[]) AS c;
 
 -- name: workqueue_requeue_running
 -- Give claimed rows back (never ran, or their worker died): only rows still
@@ -306,11 +312,14 @@ WHERE status = 'paused' AND timeout <= now() + make_interval(secs => %(within)s)
 SELECT pepsi.workqueue_bounce_failed(%(stages)s::text[], %(sink)s, %(max_rows)s);
 
 -- name: workqueue_claim_fair
--- P-5: the fair claim for all stages at once (see pepsi.workqueue_claim_fair).
-SELECT ids, id_stages, id_senders, next_starts
-FROM pepsi.workqueue_claim_fair(
-    %(stages)s::text[], %(caps)s::integer[], %(fifo)s::integer[], %(averages)s::float8[],
-    %(starts)s::text[], %(lags)s::jsonb, %(max_senders)s);
+-- P-5: the fair claim for all stages at once (see pepsi.workqueue_claim_fair);
+-- `commit` as in workqueue_claim_fifo.
+SELECT c.ids, c.id_stages, c.id_senders, c.next_starts
+FROM set_config('synchronous_commit',
+                coalesce(%(commit)s::text, current_setting('synchronous_commit')), true) AS s,
+     pepsi.workqueue_claim_fair(
+         %(stages)s::text[], %(caps)s::integer[], %(fifo)s::integer[], %(averages)s::float8[],
+         %(starts)s::text[], %(lags)s::jsonb, %(max_senders)s) AS c;
 
 -- name: workqueue_heads_by_stage
 -- `pepsi queue status`, per stage: the oldest pending row's age (one probe of
