@@ -57,6 +57,16 @@ LEFT JOIN LATERAL (  -- the header block and body: one probe, or none (see above
 ) b ON true
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.stage = %(stage)s;
 
+-- name: workqueue_load_metadata
+-- workqueue_load_running for a stage that reads neither the header block nor
+-- the body (W-8's batched, metadata-only stage), in the same columns: one
+-- generic plan, a primary key probe (see pepsi.workqueue_load_metadata).
+SELECT workqueue_id, stage, arrived, message_id, sender, recipients, origin_user,
+       origin_peer, header_from, subject, content_type, correlation_id, properties, state,
+       sender_key, body_id, NULL::bytea AS header, NULL::bytea AS body, false AS deferred,
+       token
+FROM pepsi.workqueue_load_metadata(%(ids)s::bigint[], %(stage)s);
+
 -- name: workqueue_load_running_with_settings
 -- As workqueue_load_running, for a stage that has per-address overrides
 -- (W-9): each row also carries the overrides of its correspondent at this

@@ -51,7 +51,12 @@ class MessageLoader:
 
     def load(self, conn: Conn, ids: list[int]) -> dict[int, Message]:
         """The rows among `ids` still running at the stage (a repair may have moved one)."""
-        rows = conn.execute(query("workqueue_load_running"), self._params(ids)).fetchall()
+        if self.needs is Needs.METADATA:  # no content: one generic plan (schema 26)
+            rows = conn.execute(
+                query("workqueue_load_metadata"), {"ids": ids, "stage": self.stage.name}
+            ).fetchall()
+        else:
+            rows = conn.execute(query("workqueue_load_running"), self._params(ids)).fetchall()
         return {int(row[0]): self._message(conn, row) for row in rows}
 
     def load_with_settings(self, conn: Conn, ids: list[int]) -> WithSettings:
