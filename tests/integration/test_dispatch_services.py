@@ -147,6 +147,23 @@ def test_the_fair_claim_interleaves_senders_and_names_them(dsn: str, conn: Conn)
 
 
 @pytest.mark.parametrize("fair", [False, True], ids=["fifo", "fair"])
+def test_stage_names_of_any_characters_reach_the_claim_intact(
+    dsn: str, conn: Conn, fair: bool
+) -> None:
+    """The claim's arguments go as array literals: names that need quoting in one."""
+    names = ['a"b', "c\\d", "{e,f}", "g h", "", "amqp:%2F:q 'x' NULL", "NULL"]
+    ids = {name: insert(conn, name, ["x", "y"]) for name in names}
+    share = FairShare(60.0, 0, time.monotonic) if fair else None
+    claimer = Claimer(share, synchronous=True)
+    rows = run(dsn, lambda c: claimer.run_once(c, dict.fromkeys(names, 1)))
+    assert sorted((row.stage, row.wid) for row in rows) == sorted(
+        (name, taken[0]) for name, taken in ids.items()
+    )
+    if share is not None:
+        assert set(share.window) == set(names)
+
+
+@pytest.mark.parametrize("fair", [False, True], ids=["fifo", "fair"])
 @pytest.mark.parametrize(
     ("synchronous", "capacities", "expected"),
     [
