@@ -43,7 +43,7 @@ def claim(
         {
             "stages": [stage], "caps": [cap], "fifo": [fifo], "averages": [average],
             "starts": [start], "lags": Jsonb({stage: lags} if lags else {}),
-            "max_senders": max_senders,
+            "max_senders": max_senders, "commit": None,
         },
     ).fetchone()  # fmt: skip
     assert row is not None
@@ -195,6 +195,7 @@ def test_claim_stays_on_the_sender_index_with_statistics_of_an_empty_queue(conn:
             fresh,
             query("workqueue_claim_fair").as_bytes(),
             {"stages": ["s"], "caps": [128], "fifo": [12], "averages": [0.0001],
-             "starts": ["user:u150"], "lags": Jsonb({"s": lags}), "max_senders": 64},
+             "starts": ["user:u150"], "lags": Jsonb({"s": lags}), "max_senders": 64,
+             "commit": None},
         )  # fmt: skip
     assert touched < 8000, touched  # the bitmap plans read ~24 000 pages for this claim

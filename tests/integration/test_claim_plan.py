@@ -19,7 +19,7 @@ from pepsi.db.queries import query
 from tests.conftest import TEMPLATE, _fresh
 
 Conn = psycopg.Connection[tuple[Any, ...]]
-FIFO = {"stages": ["big", "small", "empty"], "caps": [16, 16, 16]}
+FIFO = {"stages": ["big", "small", "empty"], "caps": [16, 16, 16], "commit": None}
 
 
 def nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
@@ -157,10 +157,10 @@ def test_both_claims_find_their_rows_by_key_after_a_vacuum_of_an_empty_queue(
             conn.execute(backlog)
             with psycopg.connect(dsn, autocommit=True) as fresh:  # plans made now
                 fifo = claimed_by_key(fresh, "workqueue_claim_fifo",
-                                      {"stages": ["many"], "caps": [64]})  # fmt: skip
+                                      {"stages": ["many"], "caps": [64], "commit": None})  # fmt: skip
                 fair = claimed_by_key(fresh, "workqueue_claim_fair", {
                     "stages": ["many"], "caps": [64], "fifo": [6], "averages": [0.001],
-                    "starts": [""], "lags": json.dumps({}), "max_senders": 64,
+                    "starts": [""], "lags": json.dumps({}), "max_senders": 64, "commit": None,
                 })  # fmt: skip
     assert fifo < 1000, fifo
     assert fair < 1000, fair

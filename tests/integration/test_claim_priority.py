@@ -28,7 +28,9 @@ def insert(conn: Conn, stage: str, rows: list[tuple[str, int]]) -> list[int]:
 
 def fifo(conn: Conn, stage: str, cap: int) -> list[int]:
     """The claimed ids in the order the dispatcher serves them (by the priority returned)."""
-    rows = conn.execute(query("workqueue_claim_fifo"), {"stages": [stage], "caps": [cap]})
+    rows = conn.execute(
+        query("workqueue_claim_fifo"), {"stages": [stage], "caps": [cap], "commit": None}
+    )
     return [int(r[0]) for r in sorted(rows.fetchall(), key=lambda r: (-r[2], r[0]))]
 
 
@@ -37,7 +39,7 @@ def fair(conn: Conn, stage: str, cap: int, fifo_share: int = 0) -> list[int]:
         query("workqueue_claim_fair"),
         {
             "stages": [stage], "caps": [cap], "fifo": [fifo_share], "averages": [1.0],
-            "starts": [""], "lags": Jsonb({}), "max_senders": 64,
+            "starts": [""], "lags": Jsonb({}), "max_senders": 64, "commit": None,
         },
     ).fetchone()  # fmt: skip
     assert row is not None

@@ -146,6 +146,55 @@ def test_the_fair_claim_interleaves_senders_and_names_them(dsn: str, conn: Conn)
     assert "s" in fair.window
 
 
+@pytest.mark.parametrize("fair", [False, True], ids=["fifo", "fair"])
+def test_stage_names_of_any_characters_reach_the_claim_intact(
+    dsn: str, conn: Conn, fair: bool
+) -> None:
+    """The claim's arguments go as array literals: names that need quoting in one."""
+    names = ['a"b', "c\\d", "{e,f}", "g h", "", "amqp:%2F:q 'x' NULL", "NULL"]
+    ids = {name: insert(conn, name, ["x", "y"]) for name in names}
+    share = FairShare(60.0, 0, time.monotonic) if fair else None
+    claimer = Claimer(share, synchronous=True)
+    rows = run(dsn, lambda c: claimer.run_once(c, dict.fromkeys(names, 1)))
+    assert sorted((row.stage, row.wid) for row in rows) == sorted(
+        (name, taken[0]) for name, taken in ids.items()
+    )
+    if share is not None:
+        assert set(share.window) == set(names)
+
+
+@pytest.mark.parametrize("fair", [False, True], ids=["fifo", "fair"])
+@pytest.mark.parametrize(
+    ("synchronous", "capacities", "expected"),
+    [
+        (False, {"a": 4}, "off"),  # the default: a claim does not wait for its WAL flush
+        (True, {"a": 4}, "on"),  # WORKER_SYNCHRONOUS_COMMIT = yes: claims wait, as outcomes do
+        (False, {"a": 4, "amqp:%2F:q": 4}, "on"),  # an AMQP queue's delivery must stay marked
+    ],
+)
+def test_a_claim_commits_asynchronously_unless_outcomes_or_amqp_wait(
+    dsn: str, conn: Conn, fair: bool, synchronous: bool, capacities: dict[str, int], expected: str
+) -> None:
+    wid = insert(conn, "a", ["x"])[0]
+    share = FairShare(60.0, 0, time.monotonic) if fair else None
+    claimer = Claimer(share, synchronous=synchronous)
+
+    async def claim(c: AConn) -> tuple[list[Claimed], str, str]:
+        async with c.transaction(force_rollback=True):  # what the claim's commit would use
+            rows = await claimer.run_once(c, capacities)
+            inside = await (await c.execute("SHOW synchronous_commit")).fetchone()
+        rows = await claimer.run_once(c, capacities)  # autocommit, as the dispatcher runs it
+        after = await (await c.execute("SHOW synchronous_commit")).fetchone()
+        assert inside is not None
+        assert after is not None
+        return rows, str(inside[0]), str(after[0])
+
+    rows, inside, after = run(dsn, claim)
+    assert [row.wid for row in rows] == [wid]
+    assert (inside, after) == (expected, "on")  # for the claim's transaction only
+    assert statuses(conn)[wid] == "running"
+
+
 # ---- sweeper ----------------------------------------------------------------------------
 
 

@@ -426,3 +426,49 @@ def test_recording_outcomes_probes_each_row_under_stale_statistics(stale: Conn) 
     assert _work_of(plans) < 10 * 1000
     moved = stale.execute("SELECT count(*) FROM pepsi.workqueue WHERE stage = 't'").fetchone()
     assert moved == (500,)
+
+
+def _metadata_load_plans(conn: Conn, ids: list[int]) -> list[dict[str, object]]:
+    """The plan of the table read inside pepsi.workqueue_load_metadata, as it ran."""
+    params = {"ids": ids, "stage": "s"}
+    return _nested_plans(
+        conn, query("workqueue_load_metadata"), params, containing="FROM pepsi.workqueue w",
+        rows=len(ids),
+    )  # fmt: skip
+
+
+def _probes_by_key(plans: list[dict[str, object]]) -> bool:
+    (plan,) = plans
+    node = plan["Plan"]
+    assert isinstance(node, dict)
+    return (node["Node Type"], node.get("Index Name")) == ("Index Scan", "workqueue_pkey")
+
+
+def test_a_metadata_load_probes_each_row_under_stale_statistics(stale: Conn) -> None:
+    """A metadata-only stage's load, one generic plan (schema 26): the primary key."""
+    ids = [int(i) for i in _first_ids(stale).split(",")]
+    stale.execute(
+        "UPDATE pepsi.workqueue SET status = 'running' WHERE workqueue_id = ANY(%s)", (ids,)
+    )
+    plans = _metadata_load_plans(stale, ids)
+    assert _probes_by_key(plans)
+    assert _work_of(plans) < 10 * 1000
+
+
+def test_a_metadata_load_planned_on_a_small_queue_still_probes_a_large_one(conn: Conn) -> None:
+    """The generic plan is made once per session, perhaps while the queue is nearly
+    empty (where a sequential scan is the cheapest); it serves every later batch."""
+    small = conn.execute(
+        "INSERT INTO pepsi.workqueue (stage, status) VALUES ('s', 'running') RETURNING workqueue_id"
+    ).fetchone()
+    assert small is not None
+    conn.execute("ANALYZE pepsi.workqueue")  # statistics of one row
+    for _ in range(3):
+        assert _probes_by_key(_metadata_load_plans(conn, [int(small[0])]))
+    conn.execute(
+        "INSERT INTO pepsi.workqueue (stage, status)"
+        " SELECT 's', 'running' FROM generate_series(1, 50000)"
+    )
+    plans = _metadata_load_plans(conn, [int(small[0])])
+    assert _probes_by_key(plans)
+    assert _work_of(plans) < 100

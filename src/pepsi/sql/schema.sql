@@ -823,6 +823,26 @@ AS $$
     RETURNING w.workqueue_id, w.stage, w.priority
 $$;
 
+-- The last step of the fair claim: the picked ids, still pending, now running.
+-- A function of its own for one setting (0026): under the claim's
+-- enable_bitmapscan = off, a generic plan of this UPDATE, costed for ten ids,
+-- looked dearer than a custom one for one id, so an idle claim planned it
+-- afresh every time (a third of its time in the database). Its only plan is the
+-- primary key probe whatever the statistics (seqscan and bitmap scans off, and
+-- IS NOT DISTINCT FROM, see 0022), so one generic plan serves every claim.
+CREATE FUNCTION pepsi.workqueue_claim_ids(picked bigint[])
+RETURNS TABLE (workqueue_id bigint, stage text, sender_key text, priority smallint)
+LANGUAGE sql
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET plan_cache_mode = force_generic_plan
+AS $$
+    UPDATE pepsi.workqueue w SET status = 'running'
+    -- IS NOT DISTINCT FROM: by the primary key whatever the statistics (0022)
+    WHERE w.workqueue_id = ANY(picked) AND w.status IS NOT DISTINCT FROM 'pending'
+    RETURNING w.workqueue_id, w.stage, w.sender_key, w.priority
+$$;
+
 -- P-4 + P-5: one call claims, for every stage, up to its capacity: first
 -- fifo[i] of its oldest rows whatever the sender, then, among the oldest
 -- caps[i] rows of each of at most max_senders pending senders (with rows that
@@ -1013,11 +1033,8 @@ BEGIN
         END LOOP;
         picked := picked || chosen;
     END LOOP;
-    WITH claimed AS (
-        UPDATE pepsi.workqueue w SET status = 'running'
-        -- IS NOT DISTINCT FROM: by the primary key whatever the statistics (0022)
-        WHERE w.workqueue_id = ANY(picked) AND w.status IS NOT DISTINCT FROM 'pending'
-        RETURNING w.workqueue_id, w.stage, w.sender_key, w.priority
+    WITH claimed AS (  -- one generic plan, not one planned per call (0026)
+        SELECT * FROM pepsi.workqueue_claim_ids(picked)
     )  -- in the order they are to be served: highest priority first, then oldest
     SELECT coalesce(array_agg(c.workqueue_id ORDER BY c.priority DESC, c.workqueue_id), '{}'),
            coalesce(array_agg(c.stage ORDER BY c.priority DESC, c.workqueue_id), '{}'),
@@ -1025,6 +1042,33 @@ BEGIN
     INTO ids, id_stages, id_senders
     FROM claimed c;
 END
+$$;
+
+-- A metadata-only stage's load (0026): the rows among `ids` still running at
+-- `at_stage`, their columns and claim token, without the header block and
+-- body (loaded on first access). The plain load (workqueue_load_running in
+-- queries.sql) is a custom plan per batch, as psycopg prepares it: its plan,
+-- the lateral join included, cost an idle worker about 0.1 ms a message. This
+-- one is a primary key probe whatever the statistics (sequential and bitmap
+-- scans off), so one generic plan serves every batch.
+CREATE FUNCTION pepsi.workqueue_load_metadata(ids bigint[], at_stage text)
+RETURNS TABLE (
+    workqueue_id bigint, stage text, arrived timestamptz, message_id text, sender text,
+    recipients text[], origin_user text, origin_peer text, header_from text, subject text,
+    content_type text, correlation_id text, properties jsonb, state jsonb,
+    sender_key text, body_id bigint, token text
+)
+LANGUAGE sql STABLE
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET plan_cache_mode = force_generic_plan
+AS $$
+    SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
+           w.origin_user, host(w.origin_peer), w.header_from, w.subject, w.content_type,
+           w.correlation_id, w.properties, w.state, w.sender_key, w.body_id,
+           w.xmin::text  -- the claim token (issue 18)
+    FROM pepsi.workqueue w
+    WHERE w.workqueue_id = ANY(ids) AND w.status = 'running' AND w.stage = at_stage
 $$;
 
 -- Addresses are stored lower-cased (pepsi settings set does it; the worker

@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 
 from pepsi.config import StageConfig
-from pepsi.db.queries import query
+from pepsi.db.queries import number_array, query, query_text
 from pepsi.stage import BodyLoader, Message, Needs
 
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -42,7 +42,7 @@ class MessageLoader:
 
     def _params(self, ids: list[int]) -> dict[str, Any]:
         return {
-            "ids": ids,
+            "ids": number_array(ids),  # a literal: see pepsi.db.queries
             "stage": self.stage.name,
             "with_header": self.needs is not Needs.METADATA,
             "with_body": self.needs is Needs.BODY,
@@ -51,7 +51,11 @@ class MessageLoader:
 
     def load(self, conn: Conn, ids: list[int]) -> dict[int, Message]:
         """The rows among `ids` still running at the stage (a repair may have moved one)."""
-        rows = conn.execute(query("workqueue_load_running"), self._params(ids)).fetchall()
+        if self.needs is Needs.METADATA:  # no content: one generic plan (schema 26)
+            params = {"ids": number_array(ids), "stage": self.stage.name}
+            rows = conn.execute(query_text("workqueue_load_metadata"), params).fetchall()
+        else:
+            rows = conn.execute(query_text("workqueue_load_running"), self._params(ids)).fetchall()
         return {int(row[0]): self._message(conn, row) for row in rows}
 
     def load_with_settings(self, conn: Conn, ids: list[int]) -> WithSettings:

@@ -15,7 +15,7 @@ from typing import Any
 
 from psycopg.types.json import Jsonb
 
-from pepsi.db.queries import query
+from pepsi.db.queries import number_array, query, query_text
 from pepsi.stage import NewMessage
 from pepsi.worker.outcomes import Decision
 
@@ -66,11 +66,11 @@ class Batch:
         """The one statement that writes the batch, and its parameters."""
         params: dict[str, Any] = {
             "stage": stage,
-            "finished": self.finished,
+            "finished": number_array(self.finished),  # a literal: see pepsi.db.queries
             "updates": Jsonb(self.updates),
         }
         if not self.edited:
-            return query("workqueue_record_outcomes"), params
+            return query_text("workqueue_record_outcomes"), params
         params.update(content_ids=self.content_ids, headers=self.headers, bodies=self.bodies)
         return query("workqueue_record_outcomes_edited"), params
 
