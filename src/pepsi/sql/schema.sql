@@ -777,6 +777,42 @@ LANGUAGE sql STABLE AS $$
     LIMIT max_senders
 $$;
 
+-- The same window with each sender's oldest `per_sender` pending rows, read by the
+-- same descent that finds the sender (its rows follow its key in the index): one
+-- probe per sender for both. A step reads `per_sender` entries from the next key on,
+-- of which it keeps the first sender's.
+CREATE FUNCTION pepsi.workqueue_pending_sender_rows(
+    at_stage text, after_key text, upto_key text, max_senders integer, per_sender integer
+) RETURNS TABLE (sender_key text, ids bigint[])
+LANGUAGE sql STABLE AS $$
+    WITH RECURSIVE s(k, ids) AS (
+        (SELECT r.sender_key, array_agg(r.workqueue_id ORDER BY r.workqueue_id)
+         FROM (SELECT q.sender_key, q.workqueue_id FROM pepsi.workqueue q
+               WHERE q.stage = at_stage AND q.status = 'pending' AND q.sender_key > after_key
+               ORDER BY q.stage, q.sender_key, q.workqueue_id
+               LIMIT per_sender) r
+         GROUP BY r.sender_key
+         ORDER BY r.sender_key
+         LIMIT 1)
+        UNION ALL
+        SELECT n.k, n.ids
+        FROM s CROSS JOIN LATERAL (
+            SELECT r.sender_key AS k, array_agg(r.workqueue_id ORDER BY r.workqueue_id) AS ids
+            FROM (SELECT q.sender_key, q.workqueue_id FROM pepsi.workqueue q
+                  WHERE q.stage = at_stage AND q.status = 'pending' AND q.sender_key > s.k
+                  ORDER BY q.stage, q.sender_key, q.workqueue_id
+                  LIMIT per_sender) r
+            GROUP BY r.sender_key
+            ORDER BY r.sender_key
+            LIMIT 1
+        ) n
+        WHERE upto_key IS NULL OR s.k < upto_key
+    )
+    SELECT k, ids FROM s
+    WHERE upto_key IS NULL OR k <= upto_key
+    LIMIT max_senders
+$$;
+
 -- P-4: the oldest-first claim (FAIR_SCHEDULING = no): for every stage with
 -- free capacity, up to that stage's capacity of its pending rows, those with a
 -- priority first (highest first), then the oldest; returned with their priority. Each
@@ -881,9 +917,25 @@ DECLARE
     attempt integer;
     stage_lags jsonb;
     prioritised boolean;
+    head bigint[];        -- the share taken whatever the sender
+    slots integer;        -- what the ranking fills
+    average float8;       -- the stage's, kept above 0 to divide by
+    per_sender integer;   -- rows read with each sender in the first pass
+    sender_lags float8[];
+    counts integer[];     -- rows read of each sender
+    wanted integer[];     -- rows asked of each (fewer read: it has no more)
+    lasts bigint[];       -- the last row read of each
+    ranked bigint[];      -- the best rows read, best first
+    scores float8[];      -- their scores
+    unread float8;        -- the least score of a row not read
+    target float8;
 BEGIN
     next_starts := '{}';
     FOR i IN 1 .. coalesce(array_length(stages, 1), 0) LOOP
+        IF caps[i] <= 0 THEN  -- no room: nothing to rank
+            next_starts := next_starts || starts[i];
+            CONTINUE;
+        END IF;
         -- When every pending row fits, the ranking would choose them all: take
         -- them without it (an idle pipeline's claim, the latency path).
         chosen := ARRAY(SELECT q.workqueue_id FROM pepsi.workqueue q
@@ -901,22 +953,127 @@ BEGIN
                                WHERE q.stage = stages[i] AND q.status = 'pending'
                                  AND q.priority > 0);
         stage_lags := coalesce(lags -> stages[i], '{}');
-        senders := ARRAY(SELECT p.sender_key
-                         FROM pepsi.workqueue_pending_senders(stages[i], starts[i], NULL,
-                                                              max_senders) p);
-        IF cardinality(senders) < max_senders AND starts[i] <> '' THEN
-            more := ARRAY(SELECT p.sender_key
-                          FROM pepsi.workqueue_pending_senders(
-                              stages[i], '', starts[i], max_senders - cardinality(senders)) p);
-            senders := senders || more;
-        END IF;
-        next_starts := next_starts || CASE WHEN cardinality(senders) >= max_senders
-                                           THEN senders[cardinality(senders)] ELSE '' END;
-        -- One sender waiting (one producer, the common case): its oldest rows are
-        -- the stage's oldest, whatever its lag: the ranking would choose them.
-        IF cardinality(senders) = 1 AND NOT prioritised THEN
-            picked := picked || chosen[1:caps[i]];
+        average := greatest(averages[i], 1e-9);
+        IF NOT prioritised THEN
+            head := chosen[1:least(fifo[i], caps[i])];
+            slots := caps[i] - cardinality(head);
+            -- One pass: the window's senders, each with its oldest rows (one index
+            -- descent per sender for both), ranked. A few rows more than an even
+            -- share: the least served of lags a few messages apart take a few more.
+            per_sender := least(caps[i], ceil(caps[i]::float8 / max_senders)::integer + 3);
+            WITH w AS MATERIALIZED (
+                SELECT p.sender_key, p.ids,
+                       coalesce((stage_lags ->> p.sender_key)::float8, 0) AS lag
+                FROM ((SELECT * FROM pepsi.workqueue_pending_sender_rows(
+                           stages[i], starts[i], NULL, max_senders, per_sender))
+                      UNION ALL  -- the window wraps around, up to where it started
+                      (SELECT * FROM pepsi.workqueue_pending_sender_rows(
+                           stages[i], '', starts[i], max_senders, per_sender)
+                       WHERE starts[i] <> '')
+                      LIMIT max_senders) p
+            ), r AS MATERIALIZED (
+                SELECT u.id, w.lag + u.k * averages[i] AS score
+                FROM w, unnest(w.ids) WITH ORDINALITY AS u(id, k)
+                WHERE u.id <> ALL(head)
+                ORDER BY 2, 1
+                LIMIT slots
+            )
+            SELECT (SELECT array_agg(w.sender_key) FROM w),
+                   (SELECT array_agg(w.lag) FROM w),
+                   (SELECT array_agg(cardinality(w.ids)) FROM w),
+                   (SELECT array_agg(w.ids[cardinality(w.ids)]) FROM w),
+                   (SELECT array_agg(r.id ORDER BY r.score, r.id) FROM r),
+                   (SELECT array_agg(r.score ORDER BY r.score, r.id) FROM r),
+                   -- a sender read to per_sender rows may have more: its next one
+                   (SELECT min(w.lag + (per_sender + 1) * averages[i]) FROM w
+                    WHERE cardinality(w.ids) = per_sender AND per_sender < caps[i])
+            INTO senders, sender_lags, counts, lasts, ranked, scores, unread;
+            next_starts := next_starts || CASE WHEN cardinality(senders) >= max_senders
+                                               THEN senders[cardinality(senders)] ELSE '' END;
+            -- One sender waiting (one producer, the common case): its oldest rows are
+            -- the stage's oldest, whatever its lag: the ranking would choose them.
+            IF cardinality(senders) = 1 THEN
+                picked := picked || chosen[1:caps[i]];
+                CONTINUE;
+            END IF;
+            ranked := coalesce(ranked, '{}');
+            scores := coalesce(scores, '{}');
+            wanted := array_fill(per_sender, ARRAY[cardinality(senders)]);
+            FOR attempt IN 1 .. 3 LOOP
+                -- The full ranking's choice when every row not read scores above the
+                -- last one ranked in.
+                EXIT WHEN unread IS NULL
+                          OR (cardinality(ranked) >= slots AND scores[cardinality(scores)] < unread);
+                -- Else read on, for the senders whose next rows may rank in: the rows
+                -- up to the cut (the ranking then is the full one), or when too few
+                -- were read, up to the lags' bound below; the last time, all of them.
+                target := CASE
+                    WHEN attempt = 3 THEN 'Infinity'
+                    WHEN cardinality(ranked) >= slots THEN scores[cardinality(scores)]
+                    WHEN attempt = 1 THEN (
+                        SELECT min((caps[i] * average + f.lag_sum) / f.m) + average
+                        FROM (SELECT row_number() OVER w AS m, sum(l.lag) OVER w AS lag_sum
+                              FROM unnest(sender_lags) AS l(lag)
+                              WINDOW w AS (ORDER BY l.lag ROWS UNBOUNDED PRECEDING)) f)
+                    ELSE 'Infinity' END;
+                WITH s AS (
+                    SELECT u.*,
+                           CASE WHEN u.cnt = u.want AND u.cnt < caps[i]
+                                     AND u.lag + (u.cnt + 1) * averages[i] <= target
+                                -- (in float: far behind, or an average near 0, is many rows;
+                                -- one row more at least, whatever the rounding)
+                                THEN greatest(u.cnt + 1, least(caps[i],
+                                         floor((target - u.lag) / average + 1e-9) + 1))::integer
+                                ELSE u.want END AS upto
+                    FROM unnest(senders, sender_lags, counts, wanted, lasts)
+                         WITH ORDINALITY AS u(sender_key, lag, cnt, want, last, n)
+                ), x AS MATERIALIZED (
+                    SELECT s.n, f.workqueue_id AS id, s.lag + (s.cnt + f.k) * averages[i] AS score
+                    FROM s CROSS JOIN LATERAL (
+                        SELECT o.workqueue_id, row_number() OVER (ORDER BY o.workqueue_id) AS k
+                        FROM (SELECT q.workqueue_id FROM pepsi.workqueue q
+                              WHERE q.stage = stages[i] AND q.status = 'pending'
+                                AND q.sender_key = s.sender_key AND q.workqueue_id > s.last
+                              ORDER BY q.stage, q.sender_key, q.workqueue_id
+                              LIMIT s.upto - s.cnt) o
+                    ) f
+                    WHERE s.upto > s.want
+                ), t AS MATERIALIZED (
+                    SELECT s.n, s.lag, s.cnt + count(x.id)::integer AS cnt, s.upto AS want,
+                           coalesce(max(x.id), s.last) AS last
+                    FROM s LEFT JOIN x ON x.n = s.n
+                    GROUP BY s.n, s.lag, s.cnt, s.upto, s.last
+                ), r AS MATERIALIZED (
+                    SELECT v.id, v.score
+                    FROM (SELECT * FROM unnest(ranked, scores) AS v(id, score)
+                          UNION ALL
+                          SELECT x.id, x.score FROM x WHERE x.id <> ALL(head)) v
+                    ORDER BY v.score, v.id
+                    LIMIT slots
+                )
+                SELECT (SELECT array_agg(t.cnt ORDER BY t.n) FROM t),
+                       (SELECT array_agg(t.want ORDER BY t.n) FROM t),
+                       (SELECT array_agg(t.last ORDER BY t.n) FROM t),
+                       coalesce((SELECT array_agg(r.id ORDER BY r.score, r.id) FROM r), '{}'),
+                       coalesce((SELECT array_agg(r.score ORDER BY r.score, r.id) FROM r), '{}'),
+                       (SELECT min(t.lag + (t.cnt + 1) * averages[i]) FROM t
+                        WHERE t.cnt = t.want AND t.cnt < caps[i])
+                INTO counts, wanted, lasts, ranked, scores, unread;
+            END LOOP;
+            picked := picked || head || ranked;
             CONTINUE;
+        ELSE
+            senders := ARRAY(SELECT p.sender_key
+                             FROM pepsi.workqueue_pending_senders(stages[i], starts[i], NULL,
+                                                                  max_senders) p);
+            IF cardinality(senders) < max_senders AND starts[i] <> '' THEN
+                more := ARRAY(SELECT p.sender_key
+                              FROM pepsi.workqueue_pending_senders(
+                                  stages[i], '', starts[i], max_senders - cardinality(senders)) p);
+                senders := senders || more;
+            END IF;
+            next_starts := next_starts || CASE WHEN cardinality(senders) >= max_senders
+                                               THEN senders[cardinality(senders)] ELSE '' END;
         END IF;
         -- How many of each sender's oldest rows can matter, from the lags
         -- alone: the caps[i] smallest of the virtual scores lag + k × average
@@ -947,37 +1104,6 @@ BEGIN
                        (level.t - g.lag) / greatest(averages[i], 1e-9) + 1e-9)))::bigint
             FROM lagged g, level
             ORDER BY g.n);
-        FOR attempt IN 1 .. 2 LOOP
-            EXIT WHEN prioritised;
-            chosen := ARRAY(
-                WITH oldest AS (
-                    SELECT q.workqueue_id FROM pepsi.workqueue q
-                    WHERE q.stage = stages[i] AND q.status = 'pending'
-                    ORDER BY q.stage, q.workqueue_id
-                    LIMIT least(fifo[i], caps[i])
-                ), candidate AS (
-                    SELECT c.workqueue_id,
-                           coalesce((stage_lags ->> s.sender_key)::float8, 0) + c.k * averages[i]
-                               AS score
-                    FROM unnest(senders) WITH ORDINALITY AS s(sender_key, n)
-                    CROSS JOIN LATERAL (
-                        SELECT o.workqueue_id, row_number() OVER (ORDER BY o.workqueue_id) AS k
-                        FROM (SELECT q.workqueue_id FROM pepsi.workqueue q
-                              WHERE q.stage = stages[i] AND q.status = 'pending'
-                                AND q.sender_key = s.sender_key
-                              ORDER BY q.stage, q.sender_key, q.workqueue_id
-                              LIMIT CASE WHEN attempt = 1 THEN limits[s.n] ELSE caps[i] END) o
-                    ) c
-                )
-                SELECT o.workqueue_id FROM oldest o
-                UNION ALL
-                (SELECT c.workqueue_id FROM candidate c
-                 WHERE c.workqueue_id NOT IN (SELECT o.workqueue_id FROM oldest o)
-                 ORDER BY c.score, c.workqueue_id
-                 LIMIT caps[i] - (SELECT count(*) FROM oldest))
-            );
-            EXIT WHEN cardinality(chosen) >= caps[i];
-        END LOOP;
         -- The same with rows that have a priority: the head and each sender's rows
         -- taken highest first. A copy, so that the common case keeps its plans.
         FOR attempt IN 1 .. 2 LOOP
