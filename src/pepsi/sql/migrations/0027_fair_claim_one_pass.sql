@@ -1,4 +1,4 @@
--- 0025: the fair claim reads each sender of its window with its oldest rows in one
+-- 0027: the fair claim reads each sender of its window with its oldest rows in one
 -- index descent (pepsi.workqueue_pending_sender_rows) and ranks them in the same
 -- statement; a second read, of the few senders whose further rows may still rank in,
 -- only when the rows read do not settle the ranking. The same choice as before.
@@ -308,11 +308,8 @@ BEGIN
         END LOOP;
         picked := picked || chosen;
     END LOOP;
-    WITH claimed AS (
-        UPDATE pepsi.workqueue w SET status = 'running'
-        -- IS NOT DISTINCT FROM: by the primary key whatever the statistics (0022)
-        WHERE w.workqueue_id = ANY(picked) AND w.status IS NOT DISTINCT FROM 'pending'
-        RETURNING w.workqueue_id, w.stage, w.sender_key, w.priority
+    WITH claimed AS (  -- one generic plan, not one planned per call (0026)
+        SELECT * FROM pepsi.workqueue_claim_ids(picked)
     )  -- in the order they are to be served: highest priority first, then oldest
     SELECT coalesce(array_agg(c.workqueue_id ORDER BY c.priority DESC, c.workqueue_id), '{}'),
            coalesce(array_agg(c.stage ORDER BY c.priority DESC, c.workqueue_id), '{}'),
