@@ -14,7 +14,9 @@ Each measurement runs --reps times (raw and Pepsi's in turn, so a noisy
 neighbour hurts both alike); the median counts. Besides rates, the CPU a
 message costs this process and its connections' backends (read from /proc
 when the server runs on this machine), steadier than rates on a busy one.
-Prints one JSON document and two summary lines.
+Prints one JSON document and two summary lines. `--drain BACKLOG` runs it all
+while a dispatcher drains a backlog (and the messages published), as a
+publisher meets a running pipeline.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -162,21 +165,60 @@ def publishes(dsn: str, conf: Path, n: int) -> dict[str, dict[str, float]]:
     return results
 
 
+DRAIN_CONF = "[stage-backlog]\nHANDLER = bench_stages:noop\n"
+
+
+def draining(dsn: str, conf: Path, backlog: int) -> subprocess.Popen[bytes]:
+    """A dispatcher serving `conf`, started once `backlog` messages wait in stage backlog."""
+    config = load_config(conf)
+    with Publisher(config, dsn) as pub:
+        for start in range(0, backlog, 1000):
+            pub.publish_many([OutgoingMessage("backlog", BODY)] * min(1000, backlog - start))
+    env = {**os.environ, "PEPSI_DSN": dsn}
+    argv = [sys.executable, "-m", "pepsi", "-c", str(conf), "dispatch", "serve"]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while backlog_left(dsn) > backlog * 0.95:  # it has started
+        if proc.poll() is not None:
+            raise RuntimeError("the dispatcher did not start")
+        time.sleep(0.05)
+    return proc
+
+
+def backlog_left(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM pepsi.workqueue WHERE stage = 'backlog'")
+        found = row.fetchone()
+    return int(found[0]) if found else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--messages", type=int, default=5000)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--drain", type=int, metavar="BACKLOG", default=0,
+        help="measure everything while a dispatcher drains a backlog of BACKLOG messages"
+        " (and what is published): it must not run out before the end",
+    )  # fmt: skip
     args = parser.parse_args()
     dsn = scratch_database("pepsi_bench_publish")
     raws, pubs = [], []
+    left = None
     with tempfile.TemporaryDirectory() as tmp:
         conf = Path(tmp) / "pepsi.conf"
-        conf.write_text(CONF)
-        for _ in range(max(1, args.reps)):
-            raws.append(raw_inserts(dsn, args.messages))
-            pubs.append(publishes(dsn, conf, args.messages))
+        conf.write_text(CONF + (DRAIN_CONF if args.drain else ""))
+        dispatcher = draining(dsn, conf, args.drain) if args.drain else None
+        try:
+            for _ in range(max(1, args.reps)):
+                raws.append(raw_inserts(dsn, args.messages))
+                pubs.append(publishes(dsn, conf, args.messages))
+            left = backlog_left(dsn) if dispatcher else None
+        finally:
+            if dispatcher is not None:
+                dispatcher.terminate()
+                dispatcher.wait(60)
     raw, pub = median(raws), median(pubs)
     results = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
@@ -184,6 +226,7 @@ def main() -> int:
         "body_bytes": len(BODY),
         "raw_insert": raw,
         "publish": pub,
+        "draining": {"backlog": args.drain, "left_at_the_end": left} if args.drain else None,
     }
     print(json.dumps(results, indent=2))
     commit_limit = raw["one_row_per_commit"]["per_s"]
@@ -212,6 +255,9 @@ def main() -> int:
         f"{cpu(pub['async_single'])}; raw 1000 binary {cpu(raw['1000_rows_per_commit_binary'])}, "
         f"publish_many 1000 {cpu(pub['batch_1000'])}"
     )
+    if args.drain:
+        ran_out = " (ran out: raise --drain)" if not left else ""
+        print(f"measured while a dispatcher drained {args.drain} messages; {left} left{ran_out}")
     return 0
 
 
