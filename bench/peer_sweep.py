@@ -26,7 +26,10 @@ confirmed first, the consumers held back until go). Two phases:
 
 Every rep sets each setting up afresh (its scratch database, its consumer processes, a
 warm-up of 200 messages), runs it once and closes it, so no more than one setting holds
-connections at a time and the reps are interleaved (A B C ... A B C ...). Each cell is
+connections at a time and the reps are interleaved (A B C ... A B C ...). A fresh
+database has no planner statistics and no dead rows yet: what a long-lived queue table
+goes through (an autoanalyze while it is empty, then a burst) is race.py's to show, where
+the reps share one database. Each cell is
 the median and min..max over the reps; CPU per 1 000 messages as in race.py.
 """
 
