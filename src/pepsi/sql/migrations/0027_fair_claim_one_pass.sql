@@ -6,7 +6,11 @@
 -- The same window with each sender's oldest `per_sender` pending rows, read by the
 -- same descent that finds the sender (its rows follow its key in the index): one
 -- probe per sender for both. A step reads `per_sender` entries from the next key on,
--- of which it keeps the first sender's.
+-- of which it keeps the first sender's. The status is checked again on the row
+-- (always true) so that the rows are read by an index scan, not an index-only one:
+-- that one copies every entry of the leaf page it lands on for the few it returns,
+-- and a queue's pages are seldom all-visible, so each row it returns is read from
+-- the heap anyway (10-40 % less time a claim with 100 senders).
 CREATE FUNCTION pepsi.workqueue_pending_sender_rows(
     at_stage text, after_key text, upto_key text, max_senders integer, per_sender integer
 ) RETURNS TABLE (sender_key text, ids bigint[])
@@ -15,6 +19,7 @@ LANGUAGE sql STABLE AS $$
         (SELECT r.sender_key, array_agg(r.workqueue_id ORDER BY r.workqueue_id)
          FROM (SELECT q.sender_key, q.workqueue_id FROM pepsi.workqueue q
                WHERE q.stage = at_stage AND q.status = 'pending' AND q.sender_key > after_key
+                 AND q.status IS NOT DISTINCT FROM 'pending'  -- (read from the heap: below)
                ORDER BY q.stage, q.sender_key, q.workqueue_id
                LIMIT per_sender) r
          GROUP BY r.sender_key
@@ -26,6 +31,7 @@ LANGUAGE sql STABLE AS $$
             SELECT r.sender_key AS k, array_agg(r.workqueue_id ORDER BY r.workqueue_id) AS ids
             FROM (SELECT q.sender_key, q.workqueue_id FROM pepsi.workqueue q
                   WHERE q.stage = at_stage AND q.status = 'pending' AND q.sender_key > s.k
+                    AND q.status IS NOT DISTINCT FROM 'pending'
                   ORDER BY q.stage, q.sender_key, q.workqueue_id
                   LIMIT per_sender) r
             GROUP BY r.sender_key
@@ -78,6 +84,7 @@ DECLARE
     scores float8[];      -- their scores
     unread float8;        -- the least score of a row not read
     target float8;
+    others boolean;       -- another sender than the oldest row's has rows waiting
 BEGIN
     next_starts := '{}';
     FOR i IN 1 .. coalesce(array_length(stages, 1), 0) LOOP
@@ -104,47 +111,75 @@ BEGIN
         stage_lags := coalesce(lags -> stages[i], '{}');
         average := greatest(averages[i], 1e-9);
         IF NOT prioritised THEN
+            -- One sender waiting (one producer, the common case): its oldest rows are
+            -- the stage's oldest, whatever its lag: the ranking would choose them. The
+            -- sender of the oldest row, and one probe each way for another.
+            SELECT EXISTS (SELECT 1 FROM pepsi.workqueue q
+                           WHERE q.stage = stages[i] AND q.status = 'pending'
+                             AND q.sender_key > o.sender_key)
+                   OR EXISTS (SELECT 1 FROM pepsi.workqueue q
+                              WHERE q.stage = stages[i] AND q.status = 'pending'
+                                AND q.sender_key < o.sender_key)
+            INTO others
+            FROM pepsi.workqueue o WHERE o.workqueue_id = chosen[1];
+            IF others IS FALSE THEN
+                picked := picked || chosen[1:caps[i]];
+                next_starts := next_starts || ''::text;
+                CONTINUE;
+            END IF;
             head := chosen[1:least(fifo[i], caps[i])];
             slots := caps[i] - cardinality(head);
             -- One pass: the window's senders, each with its oldest rows (one index
             -- descent per sender for both), ranked. A few rows more than an even
-            -- share: the least served of lags a few messages apart take a few more.
-            per_sender := least(caps[i], ceil(caps[i]::float8 / max_senders)::integer + 3);
-            WITH w AS MATERIALIZED (
-                SELECT p.sender_key, p.ids,
-                       coalesce((stage_lags ->> p.sender_key)::float8, 0) AS lag
-                FROM ((SELECT * FROM pepsi.workqueue_pending_sender_rows(
-                           stages[i], starts[i], NULL, max_senders, per_sender))
-                      UNION ALL  -- the window wraps around, up to where it started
-                      (SELECT * FROM pepsi.workqueue_pending_sender_rows(
-                           stages[i], '', starts[i], max_senders, per_sender)
-                       WHERE starts[i] <> '')
-                      LIMIT max_senders) p
-            ), r AS MATERIALIZED (
-                SELECT u.id, w.lag + u.k * averages[i] AS score
-                FROM w, unnest(w.ids) WITH ORDINALITY AS u(id, k)
-                WHERE u.id <> ALL(head)
-                ORDER BY 2, 1
-                LIMIT slots
-            )
-            SELECT (SELECT array_agg(w.sender_key) FROM w),
-                   (SELECT array_agg(w.lag) FROM w),
-                   (SELECT array_agg(cardinality(w.ids)) FROM w),
-                   (SELECT array_agg(w.ids[cardinality(w.ids)]) FROM w),
-                   (SELECT array_agg(r.id ORDER BY r.score, r.id) FROM r),
-                   (SELECT array_agg(r.score ORDER BY r.score, r.id) FROM r),
-                   -- a sender read to per_sender rows may have more: its next one
-                   (SELECT min(w.lag + (per_sender + 1) * averages[i]) FROM w
-                    WHERE cardinality(w.ids) = per_sender AND per_sender < caps[i])
-            INTO senders, sender_lags, counts, lasts, ranked, scores, unread;
+            -- share of the claim between the senders the window may hold (as many as
+            -- the dispatcher sent lags of, up to max_senders): the least served of
+            -- lags a few messages apart take a few more. When the window has too few
+            -- senders for that to fill the claim, again with an even share of theirs.
+            per_sender := (SELECT count(*) FROM (SELECT jsonb_object_keys(stage_lags)
+                                                 LIMIT max_senders) k);
+            per_sender := least(caps[i], ceil(caps[i]::float8 / CASE WHEN per_sender > 0
+                                THEN per_sender ELSE max_senders END)::integer + 3);
+            LOOP
+                WITH w AS MATERIALIZED (
+                    SELECT p.sender_key, p.ids,
+                           coalesce((stage_lags ->> p.sender_key)::float8, 0) AS lag
+                    FROM ((SELECT * FROM pepsi.workqueue_pending_sender_rows(
+                               stages[i], starts[i], NULL, max_senders, per_sender))
+                          UNION ALL  -- the window wraps around, up to where it started
+                          (SELECT * FROM pepsi.workqueue_pending_sender_rows(
+                               stages[i], '', starts[i], max_senders, per_sender)
+                           WHERE starts[i] <> '')
+                          LIMIT max_senders) p
+                ), r AS (
+                    SELECT v.id, v.score
+                    FROM (SELECT unnest(w.ids) AS id,
+                                 w.lag + generate_series(1, cardinality(w.ids)) * averages[i]
+                                     AS score
+                          FROM w) v
+                    WHERE v.id <> ALL(head)
+                    ORDER BY v.score, v.id
+                    LIMIT slots
+                )
+                SELECT a.*, b.*
+                FROM (SELECT array_agg(w.sender_key), array_agg(w.lag),
+                             array_agg(cardinality(w.ids)), array_agg(w.ids[cardinality(w.ids)]),
+                             -- a sender read to per_sender rows may have more: its next one
+                             min(w.lag + (per_sender + 1) * averages[i])
+                                 FILTER (WHERE cardinality(w.ids) = per_sender
+                                           AND per_sender < caps[i])
+                      FROM w) a,
+                     (SELECT array_agg(r.id ORDER BY r.score, r.id),
+                             array_agg(r.score ORDER BY r.score, r.id)
+                      FROM r) b
+                INTO senders, sender_lags, counts, lasts, unread, ranked, scores;
+                EXIT WHEN cardinality(senders) * per_sender >= caps[i] OR per_sender >= caps[i]
+                          OR unread IS NULL;
+                per_sender := least(caps[i],
+                                    ceil(caps[i]::float8 / cardinality(senders))::integer + 3);
+            END LOOP;
             next_starts := next_starts || CASE WHEN cardinality(senders) >= max_senders
                                                THEN senders[cardinality(senders)] ELSE '' END;
-            -- One sender waiting (one producer, the common case): its oldest rows are
-            -- the stage's oldest, whatever its lag: the ranking would choose them.
-            IF cardinality(senders) = 1 THEN
-                picked := picked || chosen[1:caps[i]];
-                CONTINUE;
-            END IF;
+            senders := coalesce(senders, '{}');  -- (rows gone since the head was read)
             ranked := coalesce(ranked, '{}');
             scores := coalesce(scores, '{}');
             wanted := array_fill(per_sender, ARRAY[cardinality(senders)]);
