@@ -221,9 +221,11 @@ class WindowedPublisher:
         self._fill()
 
     def _channel_closed(self, _: Any, reason: Any) -> None:
+        # after the last message this is our own close: the connection's close stops the
+        # loop once the broker has answered it (stopping here left the socket half-closed)
         if self.confirmed < self.count:
             self.error = f"channel closed: {reason}"
-        self.connection.ioloop.stop()
+            self.connection.ioloop.stop()
 
 
 class AckingConsumer:
@@ -286,9 +288,11 @@ class AckingConsumer:
             self.connection.ioloop.call_later(30, self._close_timeout)
 
     def _channel_closed(self, _: Any, reason: Any) -> None:
+        # after the last message this is our own close: the connection's close stops the
+        # loop once the broker has answered it (stopping here left the socket half-closed)
         if self.received < self.count:
             self.error = f"channel closed: {reason}"
-        self.connection.ioloop.stop()
+            self.connection.ioloop.stop()
 
 
 # -- Celery ----------------------------------------------------------------------------------
