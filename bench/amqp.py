@@ -156,7 +156,10 @@ class WindowedPublisher:
 
     def run(self) -> dict[str, Any]:
         self.connection = SelectConnection(
-            self.params, on_open_callback=self._opened, on_open_error_callback=self._failed
+            self.params,
+            on_open_callback=self._opened,
+            on_open_error_callback=self._failed,
+            on_close_callback=self._closed,
         )
         self.connection.ioloop.start()
         if self.error:
@@ -167,6 +170,13 @@ class WindowedPublisher:
 
     def _failed(self, _: Any, error: Any) -> None:
         self.error = f"connection failed: {error}"
+        self.connection.ioloop.stop()
+
+    def _closed(self, _: Any, reason: Any) -> None:
+        self.connection.ioloop.stop()
+
+    def _close_timeout(self) -> None:
+        print(f"{type(self).__name__}: no Close-Ok in 30 s", file=sys.stderr, flush=True)
         self.connection.ioloop.stop()
 
     def _opened(self, connection: Any) -> None:
@@ -206,14 +216,16 @@ class WindowedPublisher:
         if self.confirmed >= self.count:
             self.finished = time.perf_counter()
             self.connection.close()  # the queue stays full for the consumer
-            self.connection.ioloop.call_later(5, self.connection.ioloop.stop)
+            self.connection.ioloop.call_later(30, self._close_timeout)
             return
         self._fill()
 
     def _channel_closed(self, _: Any, reason: Any) -> None:
+        # after the last message this is our own close: the connection's close stops the
+        # loop once the broker has answered it (stopping here left the socket half-closed)
         if self.confirmed < self.count:
             self.error = f"channel closed: {reason}"
-        self.connection.ioloop.stop()
+            self.connection.ioloop.stop()
 
 
 class AckingConsumer:
@@ -230,7 +242,10 @@ class AckingConsumer:
 
     def run(self) -> dict[str, Any]:
         self.connection = SelectConnection(
-            self.params, on_open_callback=self._opened, on_open_error_callback=self._failed
+            self.params,
+            on_open_callback=self._opened,
+            on_open_error_callback=self._failed,
+            on_close_callback=self._closed,
         )
         self.connection.ioloop.start()
         if self.error:
@@ -242,6 +257,13 @@ class AckingConsumer:
 
     def _failed(self, _: Any, error: Any) -> None:
         self.error = f"connection failed: {error}"
+        self.connection.ioloop.stop()
+
+    def _closed(self, _: Any, reason: Any) -> None:
+        self.connection.ioloop.stop()
+
+    def _close_timeout(self) -> None:
+        print(f"{type(self).__name__}: no Close-Ok in 30 s", file=sys.stderr, flush=True)
         self.connection.ioloop.stop()
 
     def _opened(self, connection: Any) -> None:
@@ -263,12 +285,14 @@ class AckingConsumer:
         if self.received == self.count:
             self.finished = time.perf_counter()
             channel.queue_delete(self.queue, callback=lambda _: self.connection.close())
-            self.connection.ioloop.call_later(5, self.connection.ioloop.stop)
+            self.connection.ioloop.call_later(30, self._close_timeout)
 
     def _channel_closed(self, _: Any, reason: Any) -> None:
+        # after the last message this is our own close: the connection's close stops the
+        # loop once the broker has answered it (stopping here left the socket half-closed)
         if self.received < self.count:
             self.error = f"channel closed: {reason}"
-        self.connection.ioloop.stop()
+            self.connection.ioloop.stop()
 
 
 # -- Celery ----------------------------------------------------------------------------------

@@ -123,10 +123,14 @@ def pgqueuer_lineup(shared: Shared) -> list[Contestant]:
     at 250-1 000 on 2 shared cores; the consumer count matters less; durability
     `balanced`, one process of several PgQueuer instances, asyncio instead of uvloop and
     drain mode were no faster. With `pgq autovac`'s table settings, as its production
-    checklist says: no faster on the sweep's fresh databases, but here, where the reps
-    share one, it keeps the table's statistics from being taken while it is empty
-    between reps, after which the dequeue plan drained 10x slower (postgres 0.8-2.6 s
-    of CPU per 1 000 jobs; Pepsi's schema sets such autovacuum settings itself)."""
+    checklist says (no faster or slower on the sweep's fresh databases).
+
+    Here the reps share one database per contestant, and pgqueuer's table sits empty
+    while the others run: an autoanalyze then records it empty, and the next burst's
+    dequeue plan turns into a nested loop over every queued row for each batch (EXPLAIN
+    ANALYZE of one dequeue of 1 000 from 20 000: 10.6 s, against 14 ms on a table never
+    analyzed): those reps drain at a few hundred jobs/s, autovac or not. The sweep's
+    fresh databases show pgqueuer without that trap."""
     return [
         PgQueuer(shared, 1),
         PgQueuer(shared, 4),
