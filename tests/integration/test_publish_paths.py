@@ -407,3 +407,21 @@ def test_a_pool_of_one_keeps_no_spare(tmp_path: Path, dsn: str) -> None:
             publisher.publish("inbound", body)
             assert publisher.spare.held == []
             publisher.refresh()  # the pool's one connection is there for it
+
+
+def test_an_async_single_publish_is_sent_by_libpq_on_its_pool_connection(
+    config: Config, dsn: str
+) -> None:
+    """The async short way prepares the single publish once per pool connection, as the
+    sync one does (it went through a cursor, at twice the client CPU)."""
+
+    async def scenario() -> list[str]:
+        async with AsyncPublisher(config, dsn) as apub:
+            for body in BARE:
+                await apub.publish("inbound", body)
+            await apub.spare.release()  # the connection kept for the next publish
+            async with apub.pool.connection() as pooled:
+                cursor = await pooled.execute("SELECT name FROM pg_prepared_statements")
+                return [name for (name,) in await cursor.fetchall()]
+
+    assert "pepsi_publish_one" in asyncio.run(scenario())

@@ -206,7 +206,7 @@ class AsyncPublisher(PublisherCore):
         try:
             conn = await self.spare.take(wait)
             try:
-                ids = await self._publish(conn, items, timeout, call)
+                ids = await self._publish(conn, items, timeout, call, pooled=True)
             except BaseException as exc:
                 lost = self._lost(conn, exc)
                 await self.pool.putconn(conn)
