@@ -46,7 +46,7 @@ def test_a_commit_wakes_the_dispatcher_in_process_not_through_notify(dsn: str) -
         async def scenario() -> tuple[BaseException | None, int]:
             batcher = Batcher(dsn, 5.0)
             woken: list[int] = []
-            batcher.on_committed = lambda: woken.append(1)
+            batcher.on_committed = lambda stages: woken.append(1)
             done: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
             row = Row._make(("amqp:/:q", "m", *(None,) * 13, 0))
             batcher.submit(Unit([Item([row])], lambda _items, error: done.set_result(error)))

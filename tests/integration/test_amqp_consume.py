@@ -576,3 +576,61 @@ def test_aio_pika_consumes_with_manual_acks_and_a_requeue(broker: DispatcherThre
     seen = asyncio.run(scenario())
     assert sorted(b for b, _ in seen) == [b"m0", b"m1", b"m2", b"m2", b"m3", b"m4"]
     assert (b"m2", True) in seen
+
+
+def test_freed_credit_does_not_claim_again_for_a_queue_found_empty(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn, broker: DispatcherThread
+) -> None:
+    """A consumer's freed credit asks for a claim (the read-ahead runs low); once a claim
+    found its queue empty, such wakeups skip it until news comes (a publish, a NOTIFY, a
+    timer): a Celery task paid one or two empty claims besides its two real ones."""
+    connection = amqp()
+    channel = connection.channel()
+    channel.queue_declare("quiet")
+    got: list[Message] = []
+    channel.basic_qos(prefetch_count=1)
+    channel.basic_consume("quiet", lambda ch, m, p, b: got.append((m, p, b)))
+    dispatcher = broker.dispatcher
+    stage = "amqp:/:quiet"
+    asked: list[dict[str, int]] = []
+    run_once = dispatcher.claimer.run_once
+
+    async def counting(c: Any, capacities: dict[str, int]) -> Any:
+        asked.append(dict(capacities))
+        return await run_once(c, capacities)
+
+    broker.run(lambda: setattr(dispatcher.claimer, "run_once", counting))
+
+    def cycle_after(wake: Callable[[], None]) -> None:
+        before = len(asked)
+        broker.run(wake)
+        wait_until(lambda: len(asked) > before, what="a dispatcher cycle")
+
+    cycle_after(lambda: dispatcher.wake("worker"))  # news: the empty queue is asked once
+    assert stage in asked[-1]
+    for _ in range(5):  # credit alone: no claim of it
+        cycle_after(lambda: broker.deliverer.link.wake("credit"))
+        assert stage not in asked[-1]
+    # and declare-ok's message_count is 0 without a count(*)
+    catalogue = dispatcher.amqp_broker.catalogue  # type: ignore[union-attr]
+    counted: list[str] = []
+    count = catalogue.message_count
+
+    async def counting_count(name: str) -> int:
+        counted.append(name)
+        return await count(name)
+
+    broker.run(lambda: setattr(catalogue, "message_count", counting_count))
+    assert channel.queue_declare("quiet", passive=True).method.message_count == 0
+    assert counted == []
+    publish(channel, "quiet", [b"news"])  # its commit wakes the dispatcher: claimed
+    receive(connection, got, 1, "the published message")
+    assert [b for _, _, b in got] == [b"news"]
+    channel.basic_ack(got[0][0].delivery_tag)
+    wait_until(lambda: rows(conn, "quiet") == {}, what="the ack written")
+    cycle_after(lambda: broker.deliverer.link.wake("amqp"))  # returns written: news
+    assert stage in asked[-1]
+    channel.basic_cancel(channel.consumer_tags[0])  # no consumer: the queue is not claimed
+    publish(channel, "quiet", [b"kept"])
+    assert channel.queue_declare("quiet", passive=True).method.message_count == 1
+    assert counted == [stage]

@@ -31,6 +31,7 @@ from pepsi.config import Config
 from pepsi.dispatch.endpoints import Endpoints
 from pepsi.dispatch.ledger import InFlight
 from pepsi.dispatch.policy import decisions, fairness
+from pepsi.dispatch.policy.known_empty import KnownEmpty
 from pepsi.dispatch.pools.pool import PoolOptions
 from pepsi.dispatch.pools.supervisor import PoolSupervisor
 from pepsi.dispatch.rows import RowWriter
@@ -91,6 +92,7 @@ class Dispatcher(Endpoints):
         self.session = Session(session_options, lambda: self.stopping, clock)
         self.listener = Listener(session_options, self.wake, self.on_channel)
         self.claimer = Claimer(fair, synchronous=config.postgres.worker_synchronous_commit)
+        self.known_empty = KnownEmpty()  # claims that only freed credit asks for skip these
         self.sweeper = Sweeper(SweepOptions.from_config(config), self.stats, clock)
         self.flusher = StatsFlusher(self.stats, options.stats_interval, self.started_at, clock)
         # the live snapshot (NOTIFY pepsi_live): the metrics endpoint's numbers, every second
@@ -163,14 +165,14 @@ class Dispatcher(Endpoints):
         """P-10: rebuild the stage table at the next cycle (SIGHUP, config_changed)."""
         self.reload_requested = True
         self.reload_at = 0.0
-        self.wake_event.set()
+        self._wake_bare()
 
     def on_channel(self, channel: str, payload: str = "") -> None:
         if channel == "config_changed":
             self.request_reload()
         elif channel == "telemetry_changed":
             self.retire_requested = True
-            self.wake_event.set()
+            self._wake_bare()
         elif channel == "amqp_changed" and self.amqp is not None:
             self.amqp.changed(payload)
 
@@ -178,7 +180,7 @@ class Dispatcher(Endpoints):
         if not self.stopping:
             log.info("stopping: no more claims; stopping workers and requeueing their messages")
         self.stopping = True
-        self.wake_event.set()
+        self._wake_bare()
 
     async def _shutdown(self) -> None:
         """Phase two of a stop: workers stopped, what they held requeued, stats written."""
@@ -197,8 +199,19 @@ class Dispatcher(Endpoints):
 
     # ---- the loop ------------------------------------------------------------
 
-    def wake(self, cause: str) -> None:
+    def wake(self, cause: str, *, news: bool | set[str] = True) -> None:
+        """`news`: which stages may have rows pending now: all (True), these, or none
+        (False: only credit was freed, an AMQP consumer's)."""
         self.wake_causes.add(cause)
+        if news is True:
+            self.known_empty.heard()
+        elif news:
+            self.known_empty.heard_of(news)
+        self.wake_event.set()
+
+    def _wake_bare(self) -> None:
+        """A wakeup that is not a pipeline event (stop, reload, reconnection)."""
+        self.known_empty.heard()
         self.wake_event.set()
 
     async def _run(self) -> None:
@@ -210,11 +223,12 @@ class Dispatcher(Endpoints):
                     log.warning("database connection lost: %s", one_line(exc))
                     self.rows.give_up_pauses(self.clock())
                     if await self.session.reconnect(self._restore):
-                        self.wake_event.set()
+                        self._wake_bare()
                     continue
                 # a bug must not strand every claimed row: log it, go on
                 log.exception("dispatcher cycle failed; continuing in %gs", BUG_PAUSE)
                 await asyncio.sleep(BUG_PAUSE)
+                self.known_empty.heard()
                 continue
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for runs the wait as a
             # task of its own, two more turns of the loop between a wakeup and the
@@ -248,7 +262,9 @@ class Dispatcher(Endpoints):
         broker = self.amqp_broker
         if broker is not None:  # AMQP consumers: one more kind of worker (A-1)
             capacities.update(broker.deliverer.capacities())
-        claimed = await self.claimer.run_once(conn, capacities)
+        asked = self.known_empty.room(capacities)
+        claimed = await self.claimer.run_once(conn, asked)
+        self.known_empty.claimed(asked, (row.stage for row in claimed))
         if claimed:
             self.ledger.claimed(claimed)
             if broker is not None:
@@ -327,6 +343,8 @@ class Dispatcher(Endpoints):
     def _count_wakeup(self) -> None:
         """P-9: each cause of this wakeup once; no cause means a deadline passed."""
         causes, self.wake_causes = self.wake_causes, set()
+        if not causes:  # a deadline: the sweeper's poll may make paused rows pending
+            self.known_empty.heard()
         if self.stopping:
             return  # woken to stop: not a wakeup of the pipeline's
         for cause in decisions.wakeup_causes(causes, self.clock(), self.sweeper.next_poll):

@@ -19,6 +19,7 @@ from pepsi.amqp.session import server as amqp_server
 from pepsi.config import Config, Overflow
 from pepsi.config.values import host_port, is_loopback
 from pepsi.dispatch.ledger import InFlight
+from pepsi.dispatch.policy.known_empty import KnownEmpty
 from pepsi.dispatch.pools.supervisor import PoolSupervisor
 from pepsi.dispatch.services.metrics import Gauges, MetricsServer, Snapshot
 from pepsi.dispatch.stats import Stats
@@ -36,7 +37,11 @@ class _AmqpLink:
         self.consumed = dispatcher.ledger.consumed
 
     def wake(self, cause: str) -> None:
-        self.dispatcher.wake("worker")  # consumers are workers to the statistics (P-9)
+        # consumers are workers to the statistics (P-9); "credit" brings no pending row
+        self.dispatcher.wake("worker", news=cause != "credit")
+
+    def known_empty(self, stage: str) -> bool:
+        return self.dispatcher.known_empty.empty(stage)
 
 
 class Endpoints:
@@ -51,7 +56,10 @@ class Endpoints:
     ledger: InFlight
     supervisor: PoolSupervisor
     amqp_broker: AmqpBroker | None
-    wake: Callable[[str], None]
+
+    known_empty: KnownEmpty
+
+    def wake(self, cause: str, *, news: bool | set[str] = True) -> None: ...
 
     def _serve_metrics(self) -> MetricsServer | None:
         address = self.config.dispatch.metrics_address
@@ -94,7 +102,7 @@ class Endpoints:
         )  # fmt: skip
         self.amqp_broker.deliverer.link = _AmqpLink(self)
         # AMQP publishes are written by this process: they wake this loop, not NOTIFY (P-3)
-        self.amqp_broker.batcher.on_committed = lambda: self.wake("notify")
+        self.amqp_broker.batcher.on_committed = lambda stages: self.wake("notify", news=stages)
         await self.amqp_broker.drop_transient()
         await self.amqp_broker.declare_entries()
         try:

@@ -209,7 +209,7 @@ class DeclaringChannel(ChannelHandler):
         view = await self.catalogue.view(self.vhost)
         if passive:
             found = self._existing_queue(view, self._queue_name(name))
-            return found.name, await self.catalogue.message_count(found.stage)
+            return found.name, await self._pending_count(found.stage)
         self._require(Access.CONFIGURE, QUEUE, name)
         parsed = parse_queue_arguments(arguments, queue=name, vhost=self.vhost)
         declaration = QueueDeclaration(
@@ -239,7 +239,16 @@ class DeclaringChannel(ChannelHandler):
         )
         if error is not None:
             raise error
-        return name, await self.catalogue.message_count(existing.stage)
+        return name, await self._pending_count(existing.stage)
+
+    async def _pending_count(self, stage: str) -> int:
+        """The stage's pending rows; 0 without a query when the dispatcher's last claim
+        found none and no news has come since (Celery's client declares its auto-delete
+        reply queue before every task). A row another process published counts from
+        the moment its NOTIFY reaches the dispatcher."""
+        if self.broker.deliverer.link.known_empty(stage):
+            return 0
+        return await self.catalogue.message_count(stage)
 
     async def _queue_binding(
         self, method: commands.Queue.Bind | commands.Queue.Unbind, *, bind: bool

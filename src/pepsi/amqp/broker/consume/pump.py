@@ -142,7 +142,7 @@ class Pump(DelivererState):
         target = self.registry.target(stage, self.single_active(stage))
         have = len(self.ready.get(stage, ())) + self._loading.get(stage, 0)
         if target and have * 2 <= target:
-            self.link.wake("amqp")
+            self.link.wake("credit")  # only credit: a queue found empty is not claimed
 
     def pump_all(self) -> None:
         """A client reads again: every stage's read-ahead may move."""

@@ -35,10 +35,17 @@ AConn = psycopg.AsyncConnection[tuple[Any, ...]]
 class DispatchLink(Protocol):
     """What the dispatcher learns from the deliverer (see Dispatcher._serve_amqp)."""
 
-    def wake(self, cause: str) -> None: ...
+    def wake(self, cause: str) -> None:
+        """A claim is due. "credit": consumers have room, and nothing became pending
+        (a queue whose last claim found nothing is left out); any other cause: rows
+        may have (returned, dead-lettered)."""
 
     def returned(self, stage: str, ids: list[int]) -> None:
         """Back to pending: the fair-share debit is refunded."""
+
+    def known_empty(self, stage: str) -> bool:
+        """Whether the stage has no pending row for sure: its last claim found none and
+        no news has come since (`pepsi.dispatch.policy.known_empty`)."""
 
     def consumed(self, stage: str, ids: list[int]) -> None:
         """Settled for good (acked, dead-lettered, or gone with its queue)."""
@@ -52,6 +59,9 @@ class NoDispatch:
 
     def returned(self, stage: str, ids: list[int]) -> None:
         pass
+
+    def known_empty(self, stage: str) -> bool:
+        return False
 
     def consumed(self, stage: str, ids: list[int]) -> None:
         pass

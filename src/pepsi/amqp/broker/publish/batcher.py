@@ -77,8 +77,9 @@ class Batcher:
         # connection.blocked for every client while publishes cannot be written (the
         # database is unreachable) or wait above the high-water mark; None: unblocked
         self.on_blocked: Callable[[str | None], None] = lambda _: None
-        # after a commit: the dispatcher's loop (in this process) has new rows to claim
-        self.on_committed: Callable[[], None] = lambda: None
+        # after a commit: the dispatcher's loop (in this process) has new rows to claim,
+        # in these stages
+        self.on_committed: Callable[[set[str]], None] = lambda stages: None
         self._down = False
         self._blocked: str | None = None
         self._submitted = 0  # units submitted ...
@@ -219,7 +220,7 @@ class Batcher:
             for unit in units:
                 self._report(unit, None)
             try:
-                self.on_committed()
+                self.on_committed({r.stage for u in units for i in u.items for r in i.rows})
             except Exception:
                 log.exception("amqp: waking the dispatcher after a publish failed")
 
