@@ -174,7 +174,10 @@ def draining(dsn: str, conf: Path, backlog: int) -> subprocess.Popen[bytes]:
     with Publisher(config, dsn) as pub:
         for start in range(0, backlog, 1000):
             pub.publish_many([OutgoingMessage("backlog", BODY)] * min(1000, backlog - start))
-    env = {**os.environ, "PEPSI_DSN": dsn}
+    # its workers import the handler from bench/ (bench_stages), wherever this runs from
+    path = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent),
+                                       os.environ.get("PYTHONPATH", "")) if p)  # fmt: skip
+    env = {**os.environ, "PEPSI_DSN": dsn, "PYTHONPATH": path}
     argv = [sys.executable, "-m", "pepsi", "-c", str(conf), "dispatch", "serve"]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while backlog_left(dsn) > backlog * 0.95:  # it has started
