@@ -176,7 +176,7 @@ class AsyncPublisher(PublisherCore):
     ) -> list[int]:
         if connection is not None:
             try:
-                return await self._publish(connection, items, timeout)
+                return await self._publish(connection, items, timeout, pooled=False)
             except psycopg.Error as exc:
                 raise domain_error(exc) from exc
         if rule is None:
@@ -241,7 +241,7 @@ class AsyncPublisher(PublisherCore):
         timeout: float | None,
         call: batch.BatchCall | None = None,
         *,
-        pooled: bool = False,
+        pooled: bool,
     ) -> list[int]:
         """As the sync `_execute`: a single publish by libpq on a pool's connection only."""
         if call is None:

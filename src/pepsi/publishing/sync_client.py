@@ -180,7 +180,9 @@ class Publisher(PublisherCore):
             if self._needs_refresh(items):
                 self._run(connection, self._refresh)
             call = batch.build(items, self.current)
-            answer = self._run(connection, lambda conn: self._execute(conn, call, timeout))
+            answer = self._run(
+                connection, lambda conn: self._execute(conn, call, timeout, pooled=False)
+            )
             return batch.ids_from(call, answer)
         if rule is None:
             return self._attempt(items, timeout, self.pool.timeout)
@@ -254,7 +256,7 @@ class Publisher(PublisherCore):
             raise domain_error(exc) from exc
 
     def _execute(
-        self, conn: AnyConn, call: batch.BatchCall, timeout: float | None, *, pooled: bool = False
+        self, conn: AnyConn, call: batch.BatchCall, timeout: float | None, *, pooled: bool
     ) -> list[tuple[Any, ...]]:
         """`call` on `conn`: its own transaction (a pool's connection, or the caller's
         in autocommit), or a savepoint in the caller's. Only a pool's connection gets
