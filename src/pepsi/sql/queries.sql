@@ -31,31 +31,14 @@ VACUUM (SKIP_LOCKED) pepsi.workqueue, pepsi.workqueue_body;
 SELECT deleted, last_examined FROM pepsi.workqueue_body_gc(%(after_id)s, %(max_examined)s);
 
 -- name: workqueue_load_running
--- A worker loads the rows it was handed; only rows still running at its
--- stage (a repair command may have moved one meanwhile). Header and body come
--- with the row when they are at most `inline` bytes each (a batch of messages
--- holds little memory; a larger one is fetched on its own when the stage
--- reads it: `deferred`), from one primary-key probe (none when neither is wanted), by a lateral
--- subquery whose LIMIT keeps it from being flattened into a join: with
--- statistics from a moment the tables were empty, a generic plan joined them
--- by walking the whole body index once per row. (Two scalar subqueries probed
--- the key twice for a stage that reads the body.)
-SELECT w.workqueue_id, w.stage, w.arrived, w.message_id, w.sender, w.recipients,
-       w.origin_user, host(w.origin_peer), w.header_from, w.subject, w.content_type,
-       w.correlation_id, w.properties, w.state, w.sender_key, w.body_id,
-       CASE WHEN octet_length(b.header) <= %(inline)s THEN b.header END AS header,
-       CASE WHEN %(with_body)s AND octet_length(b.body) <= %(inline)s THEN b.body END AS body,
-       -- a header block or body over `inline` is fetched on its own when first read
-       coalesce(octet_length(b.header) > %(inline)s
-                OR (%(with_body)s AND octet_length(b.body) > %(inline)s), false) AS deferred,
-       w.xmin::text AS token  -- the claim token (issue 18): last, as in the next query
-FROM pepsi.workqueue w
-LEFT JOIN LATERAL (  -- the header block and body: one probe, or none (see above)
-    SELECT x.header, x.body FROM pepsi.workqueue_body x
-    WHERE x.body_id = w.body_id AND %(with_header)s
-    LIMIT 1
-) b ON true
-WHERE w.workqueue_id = ANY(%(ids)s::bigint[]) AND w.status = 'running' AND w.stage = %(stage)s;
+-- A worker loads the rows it was handed, with their header blocks and bodies when
+-- its stage reads them (see pepsi.workqueue_load_running): one generic plan, a
+-- primary key probe per row and per body (0028).
+SELECT workqueue_id, stage, arrived, message_id, sender, recipients, origin_user,
+       origin_peer, header_from, subject, content_type, correlation_id, properties, state,
+       sender_key, body_id, header, body, deferred, token
+FROM pepsi.workqueue_load_running(%(ids)s::bigint[], %(stage)s, %(with_header)s,
+                                  %(with_body)s, %(inline)s);
 
 -- name: workqueue_load_metadata
 -- workqueue_load_running for a stage that reads neither the header block nor
@@ -164,27 +147,10 @@ SELECT CASE WHEN %(with_header)s THEN header END, body
 FROM pepsi.workqueue_body WHERE body_id = %(body_id)s;
 
 -- name: workqueue_record_outcomes
--- Every outcome of a batch in one round trip (W-2, W-8): finished rows are
--- deleted, the others updated from a JSON array (advance = pending at the
--- next stage, pause = paused with a timeout, fail = failed). The guard on
--- status and stage makes a late write from a killed worker a no-op. The rows to
--- update are also named as an array of ids, so the table side is always primary-key
--- probes: joined to the recordset alone, statistics from a drained table made it a
--- scan of the whole table per batch.
-WITH finished AS (
-    DELETE FROM pepsi.workqueue w
-    WHERE w.workqueue_id = ANY(%(finished)s::bigint[])
-      AND w.status = 'running' AND w.stage = %(stage)s
-    RETURNING 1
-)
-UPDATE pepsi.workqueue w
-SET stage = r.stage, status = r.status, timeout = r.timeout, state = r.state
-FROM jsonb_to_recordset(%(updates)s::jsonb)
-     AS r(workqueue_id bigint, stage text, status pepsi.workqueue_status,
-          timeout timestamptz, state jsonb)
-WHERE w.workqueue_id = ANY(ARRAY(SELECT (e ->> 'workqueue_id')::bigint
-                                 FROM jsonb_array_elements(%(updates)s::jsonb) e))
-  AND w.workqueue_id = r.workqueue_id AND w.status = 'running' AND w.stage = %(stage)s;
+-- Every outcome of a batch in one round trip (W-2, W-8): finished rows deleted, the
+-- others updated from a JSON array (see pepsi.workqueue_record_outcomes: one
+-- generic plan of primary key probes, 0028).
+SELECT pepsi.workqueue_record_outcomes(%(stage)s, %(finished)s::bigint[], %(updates)s::jsonb);
 
 -- name: workqueue_claim_fifo
 -- P-4: one statement claims, for every stage with free capacity, up to that
