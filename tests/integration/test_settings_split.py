@@ -436,3 +436,18 @@ def test_an_override_that_no_longer_fits_fails_that_message_only(
     assert [(r[0], r[2], r[4].get("failure_class")) for r in rows(conn) if r[0] == clone] == [
         (clone, "failed", "permanent")
     ]
+
+
+def test_a_split_by_settings_wakes_the_dispatcher_for_its_new_rows(
+    dsn: str, conn: Conn, make_runner: Callable[[StageFunc], StageRunner]
+) -> None:
+    """The new rows are pending at this stage, and the worker's answer names only the
+    first group's outcome: the split's statement sends a NOTIFY."""
+    override(conn, "b@x", {"RETRY_DELAY": "5s"})
+    wid = running(conn, ["a@x", "b@x"])
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute("LISTEN workqueue")
+        make_runner(record).run_batch([wid])
+        heard = [n.channel for n in listener.notifies(timeout=10, stop_after=1)]
+    assert heard == ["workqueue"]
+    assert [(r[2], r[3]) for r in rows(conn)] == [("pending", ["a@x"]), ("pending", ["b@x"])]

@@ -255,3 +255,18 @@ def test_a_new_messages_state_must_be_a_json_object(
     assert row["status"] == "paused"
     assert "state is not a JSON object" in row["state"]["last_error"]
     assert newest(conn, wid) == []
+
+
+def test_a_split_wakes_the_dispatcher_for_the_rows_it_makes(
+    dsn: str, conn: Conn, make_runner: Callable[..., StageRunner]
+) -> None:
+    """A worker's answer for a message it finished or paused is no news to the
+    dispatcher (a stage found empty stays so); the rows a split makes (its groups, its
+    delivery status notifications) are pending, so their write sends a NOTIFY."""
+    wid = running(conn, sender="alice@sender.org", recipients=RCPTS, body=b"hello\r\n")
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute("LISTEN workqueue")
+        make_runner(relay).run_batch([wid])
+        heard = [n.channel for n in listener.notifies(timeout=10, stop_after=1)]
+    assert heard == ["workqueue"]
+    assert len(newest(conn, wid)) == 2  # the failed group and the report

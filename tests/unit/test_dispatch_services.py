@@ -202,6 +202,10 @@ def _supervisor(
         stages={"s": StageConfig("s", handler="tests.stages:noop", **stage)},  # type: ignore[arg-type]
     )
     woken: list[str] = []
+
+    def wake(cause: str, *, news: bool | set[str] = True) -> None:
+        woken.append(cause if news is True else f"{cause} (no news)")
+
     options = PoolOptions(
         dsn="postgresql:///nowhere",
         config_file=None,
@@ -215,7 +219,7 @@ def _supervisor(
         reconnect_max=1.0,
     )
     supervisor = PoolSupervisor(
-        config, options, _ledger(clock), Stats(), wake=woken.append, clock=clock, rng=lambda: rng
+        config, options, _ledger(clock), Stats(), wake=wake, clock=clock, rng=lambda: rng
     )
     return supervisor, woken
 
@@ -345,6 +349,17 @@ def test_a_75_halves_the_busiest_stage_at_the_next_tend() -> None:
     assert sum(w.stopping for w in workers) == 2
     clock.now = 301.0
     assert supervisor.cap("s", clock()) is None
+
+
+def test_an_answer_that_settled_its_message_wakes_without_news() -> None:
+    """A finished, paused or failed message made no row pending: stages found empty
+    stay out of the next claim; an advance (or a line without a report) is news."""
+    supervisor, woken = _supervisor(Clock(0.0))
+    worker = _worker(supervisor, 1, [10, 11, 12])
+    supervisor.on_status(worker, 10, StatusLine(0, (Pass("s", 5, "finish"),)))
+    supervisor.on_status(worker, 11, StatusLine(0, (Pass("s", 5, "advance"),)))
+    supervisor.on_status(worker, 12, StatusLine(0))
+    assert woken == ["worker (no news)", "worker", "worker"]
 
 
 def test_an_idle_worker_is_asked_to_stop_after_the_idle_timeout() -> None:

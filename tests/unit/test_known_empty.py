@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pepsi.dispatch.policy.known_empty import KnownEmpty
+from pepsi.dispatch.policy.known_empty import KnownEmpty, answer_is_news
+from pepsi.protocol import Pass, StatusLine
 
 
 def test_a_stage_whose_claim_found_nothing_is_skipped_until_news() -> None:
@@ -40,3 +41,25 @@ def test_a_publish_is_news_of_its_own_stages_only() -> None:
     known.heard_of({"b"})  # while the claim of a runs
     known.claimed({"a": 1}, [])
     assert known.room({"a": 1, "b": 1}) == {"b": 1}
+
+
+def _answer(status: int, *outcomes: str | None) -> StatusLine:
+    report = tuple(Pass(f"s{i}", 10, o) for i, o in enumerate(outcomes)) if outcomes else None
+    return StatusLine(status, report)
+
+
+def test_an_answer_is_news_when_its_message_may_be_pending_somewhere() -> None:
+    # settled where it ran: finished, paused, retried later, failed
+    for outcome in ("finish", "pause", "retry"):
+        assert not answer_is_news(_answer(0, outcome))
+    assert not answer_is_news(_answer(1, "fail"))
+    assert not answer_is_news(_answer(0, "advance", "advance", "finish"))  # a fused pass
+    # pending at its next stage (or at BOUNCE_STAGE, an advance too)
+    assert answer_is_news(_answer(0, "advance"))
+    assert answer_is_news(_answer(0, "finish", "advance"))
+    # the line does not say: another program, an older build, an unknown word
+    assert answer_is_news(_answer(0))
+    assert answer_is_news(_answer(0, None))
+    # a status the dispatcher acts on itself (requeue, pause): its row becomes pending
+    assert answer_is_news(_answer(75))
+    assert answer_is_news(_answer(74, "finish"))

@@ -93,9 +93,12 @@ SELECT coalesce(array_agg(DISTINCT stage), '{}') FROM pepsi.settings;
 
 -- name: workqueue_split_many
 -- W-9: split the rows of a batch whose recipients diverge, in one round trip
--- (see pepsi.workqueue_split); per row, the new ids (NULL: not split).
+-- (see pepsi.workqueue_split); per row, the new ids (NULL: not split). The new
+-- rows are pending: a NOTIFY at the commit wakes the dispatcher for them (a
+-- worker's answer that finished or paused its message does not).
 SELECT s.workqueue_id, pepsi.workqueue_split(s.workqueue_id, %(stage)s, s.groups)
-FROM jsonb_to_recordset(%(splits)s::jsonb) AS s(workqueue_id bigint, groups jsonb)
+FROM pg_notify('workqueue', '') AS notify,
+     jsonb_to_recordset(%(splits)s::jsonb) AS s(workqueue_id bigint, groups jsonb)
 ORDER BY s.workqueue_id;
 
 -- name: settings_merge
@@ -1181,9 +1184,13 @@ WHERE w.workqueue_id = ANY(ARRAY(SELECT (e ->> 'workqueue_id')::bigint
 -- name: workqueue_record_split
 -- Issue 32: one message's split outcome and the messages it makes (see
 -- pepsi.workqueue_record_split); the new rows' ids, or NULL if nothing was written.
+-- Its clones and new messages (delivery status notifications) may be pending: a
+-- NOTIFY at the commit wakes the dispatcher for them, as for a publish (the
+-- worker's answer names only the row's own outcome: finish, pause).
 SELECT pepsi.workqueue_record_split(
     %(id)s, %(stage)s, %(parts)s::jsonb, %(spawn)s::jsonb, %(spawn_headers)s::bytea[],
-    %(spawn_bodies)s::bytea[], %(edits)s::jsonb, %(header)s::bytea, %(body)s::bytea, %(token)s);
+    %(spawn_bodies)s::bytea[], %(edits)s::jsonb, %(header)s::bytea, %(body)s::bytea, %(token)s)
+FROM pg_notify('workqueue', '') AS notify;
 
 -- name: workqueue_started_by_stage
 -- `pepsi queue`: how many of the messages workers have started (the dispatcher's live

@@ -1318,8 +1318,8 @@ CREATE INDEX settings_stage_idx ON pepsi.settings (stage);
 -- shared, state.split_from = id). Returns the new ids in group order, or
 -- NULL (nothing changed) when the row is no longer running at `at_stage` (a
 -- late call from a killed worker, a repair) or the groups are not exactly its
--- recipients (a stale plan). One statement: the split is all or nothing, and
--- sends no NOTIFY (the worker's own completion wakes the dispatcher).
+-- recipients (a stale plan). One statement: the split is all or nothing. Its
+-- caller's statement (workqueue_split_many) sends the NOTIFY for the new rows.
 CREATE FUNCTION pepsi.workqueue_split(id bigint, at_stage text, groups jsonb)
 RETURNS bigint[]
 LANGUAGE plpgsql AS $$
@@ -1571,8 +1571,9 @@ CREATE TABLE pepsi.mail_user (
 -- new_body: the stage's changes to the message (as workqueue_record_outcomes_edited), applied
 -- before the clones are made. Returns the ids of the new rows (clones, then
 -- spawned messages), or NULL (nothing written) when the row is no longer
--- running at `at_stage` with the claim `token` (NULL: any claim). No NOTIFY:
--- the worker's own status line wakes the dispatcher.
+-- running at `at_stage` with the claim `token` (NULL: any claim). The statement
+-- that calls it (queries.sql) sends the NOTIFY for the new rows: the worker's
+-- status line names only the row's own outcome.
 CREATE FUNCTION pepsi.workqueue_record_split(
     id bigint, at_stage text, parts jsonb, spawn jsonb,
     spawn_headers bytea[], spawn_bodies bytea[],

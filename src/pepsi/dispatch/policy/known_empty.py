@@ -6,10 +6,16 @@ nothing, and a Celery task (its message, its ack, its result) paid for such clai
 besides the two that found its messages, and for a count(*) each time its client
 declared its reply queue again: a round trip each.
 
+The same holds for the last stage of a pipeline: a relay answers each message it
+finished, and two claims in three after such answers found nothing (bench/mail.py).
+
 A stage whose claim returned no row is known empty until news may have made a row
 pending there: the AMQP listener's commit of a publish to it, or any other wakeup
-but freed credit (a NOTIFY, a worker's answer, a settle's returns, a timer or the
-poll tick, a reconnection), which counts for every stage. Only a claim that found
+but freed credit and a worker's answer that made no row pending (a NOTIFY, an
+answer that advanced its message or that this build cannot read, a settle's
+returns, a timer or the poll tick, a reconnection), which counts for every stage.
+A worker's split of a message and the messages it makes (delivery status
+notifications) are pending rows too: their statements NOTIFY. Only a claim that found
 nothing counts: a fair claim may leave rows of a crowded stage for the next claim,
 and a claim that found some says nothing about the rest. News that comes while a
 claim runs counts against what that claim found. Pure: the dispatcher says what
@@ -19,6 +25,21 @@ happened.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+
+from pepsi.protocol import StatusLine
+
+# A worker's last pass ended so: its row is gone, paused or failed, not pending anywhere
+SETTLED = frozenset({"finish", "pause", "retry", "fail"})
+
+
+def answer_is_news(status: StatusLine) -> bool:
+    """Whether a worker's status line may mean a row became pending: its message
+    advanced (to the next stage, or to BOUNCE_STAGE), or the line does not say (no
+    report: another program, a build without outcomes, a status the dispatcher acts
+    on itself)."""
+    if status.status not in (0, 1) or not status.report:  # 1: the message failed
+        return True
+    return status.report[-1].outcome not in SETTLED  # a fused pass's last stage decided
 
 
 class KnownEmpty:
@@ -55,4 +76,4 @@ class KnownEmpty:
         self.stages.update(set(asked).difference(found, self.heard_since))
 
 
-__all__ = ["KnownEmpty"]
+__all__ = ["SETTLED", "KnownEmpty", "answer_is_news"]

@@ -15,10 +15,12 @@ import logging
 import os
 import random
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from pepsi.config import Config
 from pepsi.dispatch.ledger import Claimed, InFlight
 from pepsi.dispatch.policy import backpressure, decisions, pools
+from pepsi.dispatch.policy.known_empty import answer_is_news
 from pepsi.dispatch.pools.pool import PoolOptions, StagePool, worker_argv
 from pepsi.dispatch.pools.workers import WorkerProcess
 from pepsi.dispatch.stats import Stats
@@ -26,6 +28,13 @@ from pepsi.durations import format_seconds
 from pepsi.protocol import StatusLine
 
 log = logging.getLogger("pepsi.dispatch")
+
+
+class Wake(Protocol):
+    """The dispatcher's wakeup (`Dispatcher.wake`): `news` False when nothing can have
+    become pending."""
+
+    def __call__(self, cause: str, *, news: bool | set[str] = True) -> None: ...
 
 
 class PoolSupervisor:
@@ -36,7 +45,7 @@ class PoolSupervisor:
         ledger: InFlight,
         stats: Stats,
         *,
-        wake: Callable[[str], None],
+        wake: Wake,
         clock: Callable[[], float],
         rng: Callable[[], float] = random.random,
     ) -> None:
@@ -297,7 +306,8 @@ class PoolSupervisor:
             )
         if self.ledger.answered(worker.stage, wid, status):
             self.tempfail_from = worker.stage  # one halving per cycle, not per id
-        self.wake("worker")
+        # a message finished, paused or failed is no news for a stage found empty
+        self.wake("worker", news=answer_is_news(status))
 
     def on_answers(self, worker: WorkerProcess, seconds_each: float) -> None:
         """A read of its answers: the stage's pace, which sizes its window (P-6)."""
