@@ -24,7 +24,9 @@ The load is Postfix's own generator, `smtp-source -s SESSIONS -m MESSAGES -l SIZ
 Per phase: `accepted` = messages / the time smtp-source took; `end_to_end` =
 messages / the time until the queue is empty again (every message finished:
 discarded, or handed to smtp-sink). Rounds alternate who goes first. CPU
-seconds per component come from /proc. Needs root and Debian's `postfix`
+seconds per component come from /proc; PostgreSQL's are split by the session
+each backend serves (the ingress's publishes, the workers', the dispatcher's,
+and the rest). Needs root and Debian's `postfix`
 package (smtp-source, smtp-sink). Prints one JSON document and a summary.
 """
 
@@ -57,6 +59,14 @@ sys.path.insert(0, str(REPO))  # tests/postfix.py: the Postfix instance the test
 from tests import postfix  # noqa: E402
 
 DB = "pepsi_bench_mail"
+# PostgreSQL's CPU by the application_name of the session a backend serves
+SESSION_ROLES = {
+    "pepsi-publish": "postgresql: ingress",
+    "pepsi-worker": "postgresql: workers",
+    "pepsi-dispatch": "postgresql: dispatcher",
+    "pepsi-dispatch-listen": "postgresql: dispatcher",
+    "pepsi-dispatch-vacuum": "postgresql: dispatcher",
+}
 SENDER, RECIPIENT = "load@sender.example", "bob@example.com"
 
 
@@ -155,12 +165,20 @@ class PepsiMail:
         return proc
 
     def components(self) -> dict[str, list[psutil.Process]]:
+        """Pepsi's processes, and PostgreSQL's by whose session they serve (the rest:
+        the postmaster, its background processes, this script's polling session)."""
         assert self.postmaster is not None
-        return {
+        found: dict[str, list[psutil.Process]] = {
             "ingress": tree(self.ingress.pid),
             "dispatcher+workers": tree(self.dispatcher.pid),
-            "postgresql": tree(self.postmaster.pid),
         }
+        roles = {
+            int(pid): SESSION_ROLES.get(str(app).partition(":")[0], "postgresql: other")
+            for pid, app in self.db.execute("SELECT pid, application_name FROM pg_stat_activity")
+        }
+        for proc in tree(self.postmaster.pid):
+            found.setdefault(roles.get(proc.pid, "postgresql: other"), []).append(proc)
+        return found
 
     def drained(self) -> bool:
         # not count(*): polled every 50 ms, a scan of 20 000 rows would be Pepsi's CPU too
@@ -289,7 +307,7 @@ def phase(system: Any, args: argparse.Namespace) -> dict[str, Any]:
     postfix.wait_for(system.drained, 900, "the queue to drain")
     total = time.monotonic() - started
     after = {name: cpu_seconds(procs) for name, procs in system.components().items()}
-    cpu = {name: round(cpu_used(before[name], after[name]), 2) for name in after}
+    cpu = {name: round(cpu_used(before.get(name, {}), after[name]), 2) for name in after}
     return {
         "accepted": round(args.messages / seconds),
         "end_to_end": round(args.messages / total),
