@@ -12,18 +12,20 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-
-from dns.resolver import Resolver
+from typing import TYPE_CHECKING
 
 from pepsi.config import StageConfig
 from pepsi.mail.ingress.policy import domain_of
-from pepsi.mail.relay import delivery, mx
+from pepsi.mail.relay import delivery
 from pepsi.mail.relay.attempt import Outgoing, Peer
 from pepsi.mail.relay.delivery import Result
 from pepsi.mail.relay.outbound import Client
 from pepsi.mail.relay.slots import Slots
 from pepsi.stage import Message, Needs, PermanentError, Split, stage
 from pepsi.stages.mail_options import RelayOptions
+
+if TYPE_CHECKING:
+    from dns.resolver import Resolver
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ def to_internet(msg: Message) -> Split:
     options: RelayOptions = msg.options.builtin_options
     route = _route(msg.options)
     assert route.resolver is not None
+    from pepsi.mail.relay import mx  # noqa: PLC0415  # dnspython: 55 ms of a worker's start
+
     by_domain: dict[str, list[str]] = defaultdict(list)
     for recipient in msg.recipients:
         by_domain[domain_of(recipient)].append(recipient)
@@ -96,6 +100,8 @@ def _route(config: StageConfig) -> _Route:
                 options.host, options.host, options.port, options.tls, options.tls_ca_file, login
             )
         else:
+            from pepsi.mail.relay import mx  # noqa: PLC0415  # only the internet relay's
+
             resolver = mx.make_resolver(options.nameservers)
         route = _ROUTES[(config.name, options)] = _Route(client, smarthost, resolver)
     return route
