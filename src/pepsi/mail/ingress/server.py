@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pepsi import eventloop
 from pepsi.admin.accounts import mail_users
 from pepsi.amqp.auth import passwords
 from pepsi.config import Config
@@ -230,4 +231,4 @@ def serve(config: Config, *, verbose: bool = False) -> int:
 
     if not verbose:
         logging.getLogger("mail.log").setLevel(logging.WARNING)  # aiosmtpd: a line per command
-    return asyncio.run(main())
+    return eventloop.run(main())
