@@ -199,3 +199,31 @@ def test_claim_stays_on_the_sender_index_with_statistics_of_an_empty_queue(conn:
              "commit": None},
         )  # fmt: skip
     assert touched < 8000, touched  # the bitmap plans read ~24 000 pages for this claim
+
+
+def test_plans_made_on_a_small_queue_still_serve_a_large_one(conn: Conn) -> None:
+    """The claim keeps one generic plan of each statement per session (schema 29): the
+    dispatcher's first claims, on a queue of a few rows, make the plans its claims use
+    on a backlog of 200 000 from 201 senders, with the statistics of the small one."""
+    conn.execute("ALTER TABLE pepsi.workqueue SET (autovacuum_enabled = false)")
+    conn.execute(
+        "INSERT INTO pepsi.workqueue (stage, origin_user) SELECT 's', 'early' || n"
+        " FROM generate_series(1, 3) n"
+    )
+    conn.execute("ANALYZE pepsi.workqueue")
+    with psycopg.connect(conn.info.dsn, autocommit=True) as dispatcher:  # one session
+        for _ in range(3):
+            with dispatcher.transaction(force_rollback=True):
+                assert len(claim(dispatcher, "s", 2)[0]) == 2
+        conn.execute(
+            "INSERT INTO pepsi.workqueue (stage, origin_user)"
+            " SELECT 's', CASE WHEN n % 1000 = 0 THEN 'small' || n ELSE 'huge' END"
+            " FROM generate_series(1, 200000) n"
+        )  # not analyzed: the plans and the statistics are the small queue's
+        with dispatcher.transaction(force_rollback=True):
+            touched = pages_touched(
+                dispatcher,
+                "SELECT * FROM pepsi.workqueue_claim_fair('{s}', '{16}', '{2}', '{1.0}',"
+                " '{\"\"}', '{}', 64)",
+            )
+    assert 0 < touched < 3000, touched
