@@ -25,3 +25,16 @@ def scratch_database(name: str, server: str | None = None) -> str:
     with psycopg.connect(dsn, autocommit=True) as conn:
         schema.install(conn)
     return dsn
+
+
+def exclusive_run(name: str, server: str | None = None) -> psycopg.Connection[tuple[object, ...]]:
+    """Hold a session lock named `name` on the server for as long as the returned
+    connection is open; SystemExit if another run holds it (two runs would share, and
+    each drop, the same scratch database)."""
+    server = server or connect.resolve(load_config(None)).dsn
+    conn = psycopg.connect(conninfo.make_conninfo(server, dbname="postgres"), autocommit=True)
+    row = conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (name,)).fetchone()
+    if not (row and row[0]):
+        conn.close()
+        raise SystemExit(f"another {name} run is under way on this server; wait for it to end")
+    return conn

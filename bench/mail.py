@@ -50,7 +50,7 @@ from typing import Any
 
 import psutil
 import psycopg
-from common import scratch_database
+from common import exclusive_run, scratch_database
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -374,7 +374,8 @@ def main() -> int:
     if problem is not None or postfix.tool("smtp-source") is None:
         raise SystemExit(f"bench/mail.py: {problem or 'smtp-source is not installed'}")
     summary: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="pepsi-bench-mail-") as tmp:
+    lock = exclusive_run("bench/mail.py")  # one run at a time: one scratch database
+    with lock, tempfile.TemporaryDirectory(prefix="pepsi-bench-mail-") as tmp:
         Path(tmp).chmod(0o755)  # OpenDKIM, as its own user, walks into it
         with systems(Path(tmp), summary, pipeline=args.pipeline) as started:
             rounds = run_rounds(started, args)
