@@ -186,6 +186,7 @@ def test_kill_9_of_the_relay_workers_loses_no_recipient(
             proc.send_signal(signal.SIGKILL)
         kills += len(workers)
     wait_until(pipeline.settled, timeout=180, what="every message to go out")
+    wait_until(receiver.queue_empty, what="Postfix to deliver what it accepted")
     counts = receiver.delivered()
     copies = [counts[f"r{n}@example.test"] for n in range(count)]
     assert min(copies) >= 1, f"{copies.count(0)} recipients never delivered"
@@ -276,6 +277,8 @@ def test_connections_are_reused_for_the_next_messages(
     pipeline.start()
     publish(pipeline, [mail(f"reuse{n}", f"r{n}@example.test") for n in range(5)])
     wait_until(pipeline.settled, what="the messages to go out")
+    # settled means Postfix answered 250; its own delivery to the Maildir comes after
+    wait_until(receiver.queue_empty, what="Postfix to deliver what it accepted")
     counts = receiver.delivered()
     assert [counts[f"r{n}@example.test"] for n in range(5)] == [1] * 5
 
