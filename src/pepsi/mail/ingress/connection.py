@@ -17,10 +17,11 @@ import logging
 import math
 import ssl
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiosmtpd.smtp
 from aiosmtpd.smtp import SMTP, TLSSetupException, _AuthMechAttr
 
 from pepsi.config.model import IngressOptions
@@ -103,7 +104,7 @@ class Connection(SMTP):
         self._ehlo_hook_ver = None
         self._enforce_call_limit = False
         commands, mechanisms = _commands(type(self))
-        self._smtp_methods = {verb: getattr(self, name) for verb, name in commands.items()}
+        self._smtp_methods = _BoundCommands(self, commands)  # type: ignore[assignment]
         self._auth_methods = {
             mechanism: _AuthMechAttr(getattr(self, name), True)
             for mechanism, name in mechanisms.items()
@@ -222,6 +223,51 @@ def _commands(kind: type) -> tuple[dict[str, str], dict[str, str]]:
         mechanisms = {name[5:]: name for name in names if name.startswith("auth_")}
         found = _COMMANDS[kind] = (commands, mechanisms)
     return found
+
+
+class _BoundCommands(Mapping[str, Any]):
+    """The session's `smtp_VERB` methods by verb, each bound when asked for: aiosmtpd's
+    dict binds all thirteen for every connection (6 µs), which uses five or six."""
+
+    __slots__ = ("names", "session")
+
+    def __init__(self, session: Connection, names: dict[str, str]) -> None:
+        self.session = session
+        self.names = names
+
+    def __getitem__(self, verb: str) -> Any:
+        return getattr(self.session, self.names[verb])
+
+    def get(self, verb: str, default: Any = None) -> Any:  # aiosmtpd's look-up, per command
+        name = self.names.get(verb)
+        return default if name is None else getattr(self.session, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+_SANITIZED_LOG = aiosmtpd.smtp.sanitized_log
+
+
+def _sanitized_log(func: Callable[..., None], msg: Any, *args: Any, **kwargs: Any) -> None:
+    """aiosmtpd's `sanitized_log`, skipped when its logger would drop the line."""
+    logger = getattr(func, "__self__", None)
+    level = _LEVELS.get(getattr(func, "__name__", ""))
+    if isinstance(logger, logging.Logger) and level is not None and not logger.isEnabledFor(level):
+        return
+    _SANITIZED_LOG(func, msg, *args, **kwargs)
+
+
+def skip_dropped_command_logs() -> None:
+    """aiosmtpd hides AUTH secrets in every command line it reads before it hands the
+    line to `mail.log`'s debug and info, which drop it unless --verbose: 1.9 µs twice a
+    command, 0.7 with the check first (about 2 % of the ingress's CPU under smtp-source).
+    Installs the check, in this process; idempotent."""
+    aiosmtpd.smtp.sanitized_log = _sanitized_log
 
 
 def _host(peer: Any) -> str | None:

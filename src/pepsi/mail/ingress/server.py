@@ -31,7 +31,7 @@ from pepsi.config.values import host_port
 from pepsi.db import connect as db_connect
 from pepsi.errors import EX_OK, ConfigError, PepsiError
 from pepsi.mail.ingress.committer import Committer
-from pepsi.mail.ingress.connection import Ingress
+from pepsi.mail.ingress.connection import Ingress, skip_dropped_command_logs
 from pepsi.mail.ingress.session import LmtpSession, SmtpSession
 from pepsi.mail.protocol import replies
 from pepsi.publishing.async_client import AsyncPublisher
@@ -231,4 +231,5 @@ def serve(config: Config, *, verbose: bool = False) -> int:
 
     if not verbose:
         logging.getLogger("mail.log").setLevel(logging.WARNING)  # aiosmtpd: a line per command
+    skip_dropped_command_logs()
     return eventloop.run(main())
