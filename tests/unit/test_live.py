@@ -355,6 +355,38 @@ def test_publisher_schedule() -> None:
     assert slow.due(idle=True)
 
 
+def test_a_change_seen_is_not_looked_for_again_until_it_is_sent() -> None:
+    """While idle the loop asks for deadlines every cycle: once a change is seen no snapshot
+    is made to compare until the next one is sent; after it, changes are looked for again."""
+    clock = Clock()
+    counts = Counts()
+    made = 0
+
+    def take() -> Snapshot:
+        nonlocal made
+        made += 1
+        out = Counts()
+        out.add(counts)
+        return Snapshot(out, Gauges(workers={"a": 1}, started=START))
+
+    publisher = LivePublisher(take, clock, poll_interval=5.0)
+    publisher.take()
+    made = 0
+    assert publisher.deadlines(idle=True) == []  # nothing changed: each cycle compares
+    assert publisher.deadlines(idle=True) == []
+    assert made == 2
+    counts.stages["a"] = Counter(processed=1)
+    for _ in range(5):
+        assert publisher.deadlines(idle=True) == [1.0]
+    assert made == 3  # seen once, then remembered
+    clock.now = 1.0
+    assert publisher.due(idle=True)
+    publisher.take()
+    made = 0
+    assert publisher.deadlines(idle=True) == []  # sent: the same counters are no change
+    assert made == 1
+
+
 # ---- pepsi top ------------------------------------------------------------------------------
 
 
