@@ -145,25 +145,33 @@ class Postfix:
 
     def stop(self) -> None:
         self.command("stop")
-        pid = self.spool / "pid" / "master.pid"
-        wait_for(lambda: not pid.exists() or not self.listening(), 30, "postfix to stop")
+        # the port closed and the master gone: a start right after must not find it running
+        wait_for(
+            lambda: not self.listening() and self.command("status").returncode != 0,
+            30,
+            "postfix to stop",
+        )
 
     def close(self) -> None:
         """Stop it and remove its folder."""
         self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def reload(self) -> None:
-        self.command("reload")
-
     def listening(self) -> bool:
         with socket.socket() as sock:
             return sock.connect_ex(("127.0.0.1", self.port)) == 0
 
     def access(self, rules: Mapping[str, str]) -> None:
-        """Each recipient's answer: OK, or a reply such as `450 4.2.0 later`; then reload."""
+        """Each recipient's answer: OK, or a reply such as `450 4.2.0 later`.
+
+        A running Postfix is restarted, not reloaded: each smtpd reads the table when it
+        starts, and a reload leaves the one serving an open session (a relay's cached
+        connection) answering from the old table.
+        """
         (self.etc / "access").write_text("".join(f"{k} {v}\n" for k, v in rules.items()))
-        self.reload()
+        if self.listening():
+            self.stop()
+            self.start()
 
     def mailbox(self, address: str) -> list[bytes]:
         """The messages delivered to `address` (by their Delivered-To:), oldest first."""

@@ -354,8 +354,8 @@ def test_the_server_sends_heartbeats_and_drops_a_silent_client(raw: Callable[[],
     started = time.monotonic()
     assert isinstance(client.frame(timeout=2.0), HeartbeatFrame)  # at ~0.5 s
     # we send nothing: the server closes after two missed intervals (2 s)
-    assert client.closed_within(4.0)
-    assert 1.5 < time.monotonic() - started < 4.0
+    assert client.closed_within(6.0)
+    assert 1.5 < time.monotonic() - started < 6.0  # 2 s, and room for a loaded machine
 
 
 def test_a_client_that_says_nothing_is_dropped_after_the_handshake_timeout(

@@ -97,6 +97,14 @@ def require_standby(dsn: str, name: str) -> None:
             )
         )
         conn.execute("SELECT pg_reload_conf()")
+    # the reload is asynchronous: a session started once it is done has the new value
+    wait_until(lambda: _setting(dsn) == name, what=f"synchronous_standby_names = {name!r}")
+
+
+def _setting(dsn: str) -> str:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SHOW synchronous_standby_names").fetchone()
+    return str(row[0]) if row else ""
 
 
 @pytest.fixture

@@ -141,9 +141,9 @@ def test_the_overview_shows_counts_graph_oldest_pending_and_chart(dsn: str) -> N
             state.cached = None
             started = time.monotonic()
             fragment = await get(http, f"{base}/overview/live")
-            assert time.monotonic() - started < 2.0
+            assert time.monotonic() - started < 4.0
             assert cell(fragment, "pending-c") == "1"
-            assert cell(fragment, "oldest-c") in ("&lt;1s", "1s", "2s")
+            assert cell(fragment, "oldest-c") in ("&lt;1s", "1s", "2s", "3s", "4s")
 
         run(config(), dsn, scenario)
 

@@ -127,6 +127,7 @@ def test_accepted_deferred_and_refused_recipients_each_end_their_own_way(
     receiver.access({"bad@example.test": "550 5.1.1 no such user here"})  # defer@ now accepted
     wait_until(lambda: receiver.mailbox("defer@example.test"), what="the retried delivery")
     wait_until(pipeline.settled, what="the pipeline to settle")
+    wait_until(receiver.queue_empty, what="Postfix to deliver what it accepted")
     assert len(receiver.mailbox("ok@example.test")) == 1  # exactly once: not sent again
     assert len(receiver.mailbox("defer@example.test")) == 1
     assert len(receiver.mailbox("alice@sender.test")) == 1
@@ -153,6 +154,7 @@ def test_a_receiver_that_is_down_loses_nothing(
     receiver.start()
     wait_until(lambda: receiver.mailbox("ok@example.test"), what="the delivery")
     wait_until(pipeline.settled, what="the pipeline to settle")
+    wait_until(receiver.queue_empty, what="Postfix to deliver what it accepted")
     assert len(receiver.mailbox("ok@example.test")) == 1
 
 

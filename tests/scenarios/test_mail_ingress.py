@@ -173,6 +173,7 @@ def test_an_authenticated_user_may_relay_and_is_the_fair_key(
     assert stored["origin_user"] == "alice"
     assert stored["sender_key"] == "user:alice"
     assert b" with ESMTPA id " in bytes(stored["header"])
+    assert server.stop() == 0  # its log whole, the session's end included
     assert "s3cret" not in server.log
 
 

@@ -90,7 +90,17 @@ def test_counters_match_the_events(pipeline: Pipeline, admin_dsn: str) -> None:
         ).fetchone()
 
     with psycopg.connect(admin_dsn, autocommit=True) as admin:
-        time.sleep(1.5)  # the follow-up of the last worker's exit
+        # the follow-up of the last worker's exit (its answer's flush, a live snapshot of
+        # the gauges) ends within a second or two: wait until 2 s pass without a statement
+        seen = [last_statement(admin), time.monotonic()]
+
+        def quiet() -> bool:
+            now = last_statement(admin)
+            if now != seen[0]:
+                seen[:] = [now, time.monotonic()]
+            return time.monotonic() - seen[1] >= 2.0
+
+        wait_until(quiet, timeout=20, what="the last worker's follow-up to end")
         before = last_statement(admin)
         time.sleep(3)  # idle: the window being measured, not a wait for something
         after = last_statement(admin)
