@@ -3,6 +3,7 @@ database holding the schema, and a fresh database per test that needs one."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ import psycopg
 import pytest
 from psycopg import conninfo, sql
 
+from pepsi.cli import OneLineFormatter
 from pepsi.db import schema
 from pepsi.db.embedded import EmbeddedServer
 from tests import commits
@@ -21,6 +23,20 @@ TEMPLATE = "pepsi_template"
 
 def with_dbname(dsn: str, dbname: str) -> str:
     return conninfo.make_conninfo(dsn, dbname=dbname)
+
+
+@pytest.fixture(autouse=True)
+def _pepsi_logging_undone() -> Iterator[None]:
+    """A test that runs `pepsi.cli.main` in this process leaves the root logger its
+    handler, on the sys.stderr pytest captured for that test and closes after it: a
+    thread of a later test that logs would print '--- Logging error ---'. Undone here."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    for handler in root.handlers[:]:
+        if isinstance(handler.formatter, OneLineFormatter):
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
