@@ -87,13 +87,13 @@ class AcceptAll:
 class AnswerAtOnce:
     """The ingress's committer, without the database: every message '250 … queued'."""
 
-    stored = 0
+    def __init__(self, queued: Any) -> None:
+        self.queued = queued  # pepsi.mail.protocol.replies.queued
+        self.stored = 0
 
     async def commit(self, message: Any, queue_id: str) -> tuple[Any, int]:
-        from pepsi.mail.protocol import replies  # noqa: PLC0415
-
         self.stored += 1
-        return replies.queued(self.stored), self.stored
+        return self.queued(self.stored), self.stored
 
 
 async def serve(kind: str, port: int) -> None:
@@ -111,6 +111,7 @@ async def serve(kind: str, port: int) -> None:
         from pepsi.config.model import IngressOptions  # noqa: PLC0415
         from pepsi.mail.ingress.connection import Ingress, skip_dropped_command_logs  # noqa: PLC0415
         from pepsi.mail.ingress.session import SmtpSession  # noqa: PLC0415
+        from pepsi.mail.protocol import replies  # noqa: PLC0415
 
         async def no_login(name: str, password: bytes) -> bool:
             return False
@@ -120,7 +121,7 @@ async def serve(kind: str, port: int) -> None:
             options=IngressOptions(stage="inbox", domains=("example.com",)),
             stage="inbox",
             hostname="floor.test",
-            committer=AnswerAtOnce(),  # type: ignore[arg-type]  # the commit alone, stubbed
+            committer=AnswerAtOnce(replies.queued),  # type: ignore[arg-type]  # stubbed
             check_login=no_login,
         )
         server = await loop.create_server(
