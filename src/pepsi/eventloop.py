@@ -1,9 +1,13 @@
-"""The event loop of Pepsi's network servers: uvloop's, asyncio's where uvloop is missing.
+"""The event loop of Pepsi's servers: uvloop's, asyncio's where uvloop is missing.
 
 uvloop (libuv under asyncio's API) runs the SMTP ingress's sockets with less CPU:
 under `smtp-source -s 20`, one connection per message, the ingress took 16-18 %
-less CPU and Pepsi relayed 10 % more messages a second (bench/mail.py). It is a
-dependency on every platform it supports; elsewhere asyncio's own loop runs.
+less CPU and Pepsi relayed 10 % more messages a second (bench/mail.py). The
+dispatcher runs on it too: its loop waits on many small statements (each
+psycopg wait adds and removes a reader) and, with `[pepsi-amqp]`, on client
+sockets; its CPU and its workers' fell 13 % relaying mail, AMQP publishes rose
+16 % (docs/performance.md). It is a dependency on every platform it supports;
+elsewhere asyncio's own loop runs.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 from typing import TYPE_CHECKING, Final
 
+from pepsi import eventloop
 from pepsi.commands import summary
 from pepsi.db import connect
 from pepsi.dispatch.coordinator import Dispatcher
@@ -45,7 +45,7 @@ def run_serve(args: argparse.Namespace, ctx: Context) -> int:
     # the file again with the database overlay: the table a reload would build
     config = reload.load(config.path, target.dsn, config.postgres.connect_timeout)
     tune_garbage_collector()
-    return asyncio.run(Dispatcher(config, target.dsn).serve())
+    return eventloop.run(Dispatcher(config, target.dsn).serve())
 
 
 def tune_garbage_collector() -> None:
