@@ -322,6 +322,33 @@ def test_garbage_gets_replies_and_the_server_goes_on(
     assert server.alive()
 
 
+def test_help_names_the_commands_the_session_takes(
+    ingress: Callable[..., IngressProcess],
+) -> None:
+    server = ingress("LMTP_LISTEN = 127.0.0.1:0")
+    line = Line(server.smtp)
+    line.reply()
+    line.command("EHLO client")
+    listed = line.command("HELP")[-1]
+    assert listed.startswith("250 ")
+    assert listed.split(": ", 1)[1].split() == [
+        "AUTH", "DATA", "EHLO", "HELO", "HELP", "MAIL", "NOOP", "QUIT", "RCPT", "RSET", "VRFY",
+    ]  # fmt: skip  # AUTH: offered to a loopback client; no STARTTLS without a certificate
+    assert line.command("HELP mail") == [
+        "250 2.0.0 Syntax: MAIL FROM:<address> [SP <mail-parameters>]"
+    ]
+    assert line.command("HELP NOPE")[0].startswith("501 ")
+    line.close()
+    lmtp = Line(server.addresses["lmtp"])
+    lmtp.reply()
+    lmtp.command("LHLO client")
+    commands = lmtp.command("HELP")[-1].split(": ", 1)[1].split()
+    assert "LHLO" in commands
+    assert "HELO" not in commands
+    assert "EHLO" not in commands
+    lmtp.close()
+
+
 def test_a_slow_client_is_told_421_when_its_time_is_up(
     ingress: Callable[..., IngressProcess],
 ) -> None:

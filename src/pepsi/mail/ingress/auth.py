@@ -14,7 +14,7 @@ import base64
 import binascii
 import logging
 
-from aiosmtpd.smtp import SMTP, AuthResult
+from aiosmtpd.smtp import SMTP, AuthResult, syntax
 
 from pepsi.errors import one_line
 from pepsi.mail.ingress.connection import Connection
@@ -32,11 +32,17 @@ class Authenticating(Connection):
         """Between MAIL and the end of DATA (the session says)."""
         return False
 
+    @property
+    def offers_auth(self) -> bool:
+        """Whether EHLO offers AUTH now, and HELP lists it (not `auth_…`: a mechanism's name)."""
+        return self.session is not None and self._auth_offered()
+
     def _auth_offered(self) -> bool:
         assert self.session is not None
         tls_ok = not self._auth_require_tls or self._tls_protocol is not None
         return tls_ok and not self.session.authenticated and self.local_user is None
 
+    @syntax("AUTH <mechanism> [initial-response]", when="offers_auth")
     async def smtp_AUTH(self, arg: str) -> None:
         if self.in_transaction():  # RFC 4954 §4: not within a mail transaction
             await self.push("503 5.5.1 AUTH not permitted during a mail transaction")

@@ -16,6 +16,8 @@ import logging
 from datetime import UTC, datetime
 from typing import Any
 
+from aiosmtpd.smtp import syntax
+
 from pepsi.addresses import is_address
 from pepsi.mail.ingress import policy
 from pepsi.mail.ingress.auth import Authenticating
@@ -49,6 +51,7 @@ class SmtpSession(Authenticating):
 
     # -- greeting -------------------------------------------------------------------------
 
+    @syntax("HELO hostname")
     async def smtp_HELO(self, hostname: str | None) -> None:
         if not hostname:
             await self.push("501 Syntax: HELO hostname")
@@ -56,6 +59,7 @@ class SmtpSession(Authenticating):
         self._greeted(hostname, extended=False)
         await self._push_lines([f"250 {self.hostname}"])
 
+    @syntax("EHLO hostname")
     async def smtp_EHLO(self, hostname: str | None) -> None:
         if not hostname:
             await self.push("501 Syntax: EHLO hostname")
@@ -83,6 +87,7 @@ class SmtpSession(Authenticating):
 
     # -- the envelope ---------------------------------------------------------------------
 
+    @syntax("MAIL FROM:<address>", extended=" [SP <mail-parameters>]")
     async def smtp_MAIL(self, arg: str | None) -> None:
         if await self.check_helo_needed():
             return
@@ -109,6 +114,7 @@ class SmtpSession(Authenticating):
         self.mail, self.sender = params, sender
         await self.push(str(replies.SENDER_OK))
 
+    @syntax("RCPT TO:<address>", extended=" [SP <rcpt-parameters>]")
     async def smtp_RCPT(self, arg: str | None) -> None:
         if await self.check_helo_needed():
             return
@@ -154,6 +160,7 @@ class SmtpSession(Authenticating):
 
     # -- DATA -----------------------------------------------------------------------------
 
+    @syntax("DATA")
     async def smtp_DATA(self, arg: str | None) -> None:
         if await self.check_helo_needed():
             return
@@ -241,6 +248,7 @@ class LmtpSession(SmtpSession):
     greeting = "LMTP Pepsi"
     protocol_name = "LMTP"
 
+    @syntax("LHLO hostname")
     async def smtp_LHLO(self, hostname: str | None) -> None:
         if not hostname:
             await self.push("501 Syntax: LHLO hostname")
