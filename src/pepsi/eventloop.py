@@ -5,8 +5,8 @@ under `smtp-source -s 20`, one connection per message, the ingress took 16-18 %
 less CPU and Pepsi relayed 10 % more messages a second (bench/mail.py). The
 dispatcher runs on it too: its loop waits on many small statements (each
 psycopg wait adds and removes a reader) and, with `[pepsi-amqp]`, on client
-sockets; its CPU and its workers' fell 13 % relaying mail, AMQP publishes rose
-16 % (docs/performance.md). It is a dependency on every platform it supports;
+sockets; its own CPU fell by 15-20 % relaying mail and serving Celery
+(docs/performance.md). It is a dependency on every platform it supports;
 elsewhere asyncio's own loop runs.
 """
 
