@@ -1,7 +1,7 @@
 """Mail in and mail through: Pepsi against Postfix, under `smtp-source`, in one run.
 
     .venv/bin/python bench/mail.py [--pipeline discard|relay|sign-relay] [--messages 20000]
-                                   [--sessions 20] [--size 1024] [--rounds 3]
+                                   [--sessions 20] [--size 1024] [--rounds 3] [--json FILE]
 
 The load is Postfix's own generator, `smtp-source -s SESSIONS -m MESSAGES -l SIZE`
 (one message per connection, as smtp-source sends them), against:
@@ -27,7 +27,9 @@ discarded, or handed to smtp-sink). Rounds alternate who goes first. CPU
 seconds per component come from /proc; PostgreSQL's are split by the session
 each backend serves (the ingress's publishes, the workers', the dispatcher's,
 and the rest). Needs root and Debian's `postfix`
-package (smtp-source, smtp-sink). Prints one JSON document and a summary.
+package (smtp-source, smtp-sink). Prints one JSON document (also to --json FILE)
+and a summary: the rates, and each round's CPU a message against each peer's (the
+steadier figure on a machine whose speed moves within a run).
 """
 
 from __future__ import annotations
@@ -369,6 +371,7 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, default=20)
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the JSON here")
     args = parser.parse_args()
     problem = postfix.missing()
     if problem is not None or postfix.tool("smtp-source") is None:
@@ -401,7 +404,10 @@ def main() -> int:
         "ingress_commits": summary.get("ingress", ""),  # warm-up included
         "dispatcher_claims": summary.get("dispatcher", ""),
     }
-    print(json.dumps(result, indent=2))
+    text = json.dumps(result, indent=2)
+    if args.json:
+        args.json.write_text(text + "\n")
+    print(text)
     what = "mail in" if args.pipeline == "discard" else f"mail through ({args.pipeline})"
     for peer, values in ratios.items():
         print(
@@ -409,6 +415,11 @@ def main() -> int:
             f"(median of {args.rounds}); Pepsi/{peer} {statistics.median(values)} "
             f"(rounds: {', '.join(map(str, values))})"
         )
+        cpu = [
+            round(r["pepsi"]["cpu_ms_per_message"] / r[peer]["cpu_ms_per_message"], 2)
+            for r in rounds
+        ]
+        print(f"{what}, CPU a message: Pepsi/{peer} (rounds: {', '.join(map(str, cpu))})")
     return 0
 
 
