@@ -134,6 +134,22 @@ def body_exists(conn: Conn, body_id: int) -> bool:
     return bool(row[0])
 
 
+def test_large_headers_and_bodies_are_stored_as_they_are(conn: Conn) -> None:
+    # Compressible text over the 2 KB threshold: pglz would have taken it (0030).
+    header = b"".join(b"X-Trace-%d: relayed by host%d.example\r\n" % (n, n) for n in range(200))
+    body = b"".join(b"line %d of a long and very repetitive text part\r\n" % n for n in range(2000))
+    body_id = conn.execute(
+        "INSERT INTO pepsi.workqueue_body (header, body) VALUES (%s, %s) RETURNING body_id",
+        (header, body),
+    ).fetchone()
+    stored = conn.execute(
+        "SELECT pg_column_compression(header), pg_column_compression(body),"
+        " pg_column_size(body), header, body FROM pepsi.workqueue_body WHERE body_id = %s",
+        body_id,
+    ).fetchone()
+    assert stored == (None, None, len(body), header, body)
+
+
 def test_body_goes_with_its_last_row(conn: Conn) -> None:
     body = new_body(conn)
     first, second = insert(conn, body), insert(conn, body)
