@@ -78,9 +78,13 @@ def one_rep(conn: psycopg.Connection[Any], table: str, body: bytes, rows: int) -
     done = backend_cpu(pid)
     size = conn.execute("SELECT pg_total_relation_size(%s)", (table,)).fetchone()
     assert size is not None
+    for i in range(0, len(ids), 10):
+        conn.execute(f"DELETE FROM {table} WHERE body_id = ANY(%s)", (ids[i : i + 10],))
+    deleted = backend_cpu(pid)
     return {
         "insert_us": (inserted - before) / rows * 1e6,
         "load_us": (done - loaded) / rows * 1e6,
+        "delete_us": (deleted - done) / rows * 1e6,
         "kb_per_row": int(str(size[0])) / rows / 1024,
     }
 
@@ -122,6 +126,7 @@ def main() -> int:
         print(
             f"SUMMARY {kind}: insert {c['insert_us']:.0f} → {p['insert_us']:.0f} µs,"
             f" load {c['load_us']:.0f} → {p['load_us']:.0f} µs,"
+            f" delete {c['delete_us']:.0f} → {p['delete_us']:.0f} µs,"
             f" {c['kb_per_row']:.1f} → {p['kb_per_row']:.1f} KB a row (compressed → plain)"
         )
     return 0

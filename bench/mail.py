@@ -1,10 +1,13 @@
 """Mail in and mail through: Pepsi against Postfix, under `smtp-source`, in one run.
 
     .venv/bin/python bench/mail.py [--pipeline discard|relay|sign-relay] [--messages 20000]
-                                   [--sessions 20] [--size 1024] [--rounds 3] [--json FILE]
+                                   [--sessions 20] [--size 1024 | --message FILE]
+                                   [--rounds 3] [--json FILE]
 
 The load is Postfix's own generator, `smtp-source -s SESSIONS -m MESSAGES -l SIZE`
-(one message per connection, as smtp-source sends them), against:
+(one message per connection, as smtp-source sends them; with `--message FILE`,
+`-F FILE`: that message, for example the 28 KB text one `bench/mail_message.py`
+writes, instead of smtp-source's filler of a few repeated lines), against:
 
 - **Pepsi**: `pepsi ingress --serve` at its defaults (LISTEN, STAGE, DOMAINS)
   with the dispatcher running, on the embedded server (or $PEPSI_DSN's) in a
@@ -291,12 +294,17 @@ class PostfixDkimMail(PostfixMail):
         self.dkim.stop()
 
 
-def smtp_source(port: int, messages: int, sessions: int, size: int) -> float:
+def content(args: argparse.Namespace) -> list[str]:
+    """smtp-source's options for what it sends: --message's file, else --size of filler."""
+    return ["-F", str(args.message)] if args.message else ["-l", str(args.size)]
+
+
+def smtp_source(port: int, messages: int, sessions: int, what: list[str]) -> float:
     """Seconds smtp-source took; it exits non-zero on any reply it did not expect."""
     started = time.monotonic()
     subprocess.run(
         [postfix.tool("smtp-source") or "smtp-source", "-s", str(sessions), "-m", str(messages),
-         "-l", str(size), "-f", SENDER, "-t", RECIPIENT, f"127.0.0.1:{port}"],
+         *what, "-f", SENDER, "-t", RECIPIENT, f"127.0.0.1:{port}"],
         check=True, stdout=subprocess.DEVNULL,
     )  # fmt: skip
     return time.monotonic() - started
@@ -305,7 +313,7 @@ def smtp_source(port: int, messages: int, sessions: int, size: int) -> float:
 def phase(system: Any, args: argparse.Namespace) -> dict[str, Any]:
     before = {name: cpu_seconds(procs) for name, procs in system.components().items()}
     started = time.monotonic()
-    seconds = smtp_source(system.port, args.messages, args.sessions, args.size)
+    seconds = smtp_source(system.port, args.messages, args.sessions, content(args))
     postfix.wait_for(system.drained, 900, "the queue to drain")
     total = time.monotonic() - started
     after = {name: cpu_seconds(procs) for name, procs in system.components().items()}
@@ -369,10 +377,14 @@ def main() -> int:
     )
     parser.add_argument("--messages", type=int, default=20000)
     parser.add_argument("--sessions", type=int, default=20)
-    parser.add_argument("--size", type=int, default=1024)
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--size", type=int, default=1024, help="smtp-source's filler, bytes")
+    what.add_argument("--message", type=Path, metavar="FILE", help="send this message instead")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the JSON here")
     args = parser.parse_args()
+    if args.message and not args.message.is_file():
+        parser.error(f"--message: no such file: {args.message}")
     problem = postfix.missing()
     if problem is not None or postfix.tool("smtp-source") is None:
         raise SystemExit(f"bench/mail.py: {problem or 'smtp-source is not installed'}")
@@ -391,7 +403,7 @@ def main() -> int:
     }
     result = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "load": f"smtp-source -s {args.sessions} -m {args.messages} -l {args.size}",
+        "load": f"smtp-source -s {args.sessions} -m {args.messages} {' '.join(content(args))}",
         "pepsi_pipeline": args.pipeline,
         "measure": measure,
         "rounds": rounds,
