@@ -11,12 +11,13 @@ from __future__ import annotations
 import email
 import signal
 import smtplib
+import subprocess
+import sys
 from collections.abc import Iterator
 from email import policy
 from pathlib import Path
 from typing import Any
 
-import dkim
 import dns.resolver
 import psutil
 import pytest
@@ -214,6 +215,22 @@ def dkim_key(tmp_path: Path) -> tuple[Path, bytes]:
     return path, public
 
 
+VERIFY = """
+import dkim, sys
+record = sys.argv[1].encode()
+sys.exit(0 if dkim.verify(sys.stdin.buffer.read(), dnsfunc=lambda *_, **__: record) else 1)
+"""
+
+
+def verified_by_dkimpy(message: bytes, record: bytes) -> bool:
+    """dkimpy's verifier as it ships, in a process of its own: this one may have had
+    Pepsi's signing hooks installed (`pepsi.mail.protocol.dkim.install`) by a unit test."""
+    done = subprocess.run(
+        [sys.executable, "-c", VERIFY, record.decode()], input=message, check=False
+    )
+    return done.returncode == 0
+
+
 def test_smtp_in_dkim_signed_and_out_to_the_second_mx(
     pipeline: Pipeline, tmp_path: Path, dkim_key: tuple[Path, bytes], dsn: str
 ) -> None:
@@ -260,12 +277,9 @@ def test_smtp_in_dkim_signed_and_out_to_the_second_mx(
         resolver.nameservers = ["127.0.0.1"]
         resolver.port = names.port
 
-        def txt(name: bytes, timeout: int = 5) -> bytes:
-            answer = resolver.resolve(name.decode(), "TXT")
-            return b"".join(answer[0].strings)
-
+        record = b"".join(resolver.resolve("s1._domainkey.sign.test", "TXT")[0].strings)
         assert delivered.count(b"DKIM-Signature:") == 1
-        assert dkim.verify(delivered, dnsfunc=txt), "the signature does not verify"
+        assert verified_by_dkimpy(delivered, record), "the signature does not verify"
         assert b"Received: from client.test ([127.0.0.1])" in delivered
     finally:
         names.stop()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import base64
+import random
+import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import dkim
@@ -11,8 +14,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
 
+from pepsi.mail.protocol import canonical, srs
 from pepsi.mail.protocol import dkim as signing
-from pepsi.mail.protocol import srs
 
 MESSAGE = (
     b"From: Alice <alice@example.com>\r\nTo: bob@example.org\r\nSubject: hi there\r\n"
@@ -39,19 +42,77 @@ def txt_record(pem: bytes) -> bytes:
     return b"v=DKIM1; k=rsa; p=" + base64.b64encode(public)
 
 
-def test_openssl_gives_dkimpy_s_own_signature_byte_for_byte(
-    pem: bytes, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(dkim.time, "time", lambda: 1796400000)  # t= the same in both
-    # dkimpy's own RSA (dkim.crypto keeps it, whatever install() did to dkim's name for it)
+# Prose with what relaxed canonicalization rewrites: runs of blanks, tabs, blanks at
+# line ends, bare LF line ends, empty lines at the end; and a folded header field.
+TEXT_MESSAGE = (
+    b"From: Alice <alice@example.com>\r\nTo: bob@example.org\r\nSubject: a long\r\n\t one\r\n"
+    b"Date: Sat, 05 Dec 2026 12:00:00 +0000\r\n\r\n"
+    + b"".join(
+        b"Line %d of the report:  two\tblanks, a tab \t and an end \r\n" % n
+        + (b"bare LF line\n" if n % 7 == 0 else b"")
+        for n in range(400)
+    )
+    + b"\r\n\r\n"
+)
+
+
+def dkimpy_s_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dkimpy as it ships, whatever install() did in this process."""
     monkeypatch.setattr(dkim, "RSASSA_PKCS1_v1_5_sign", dkim.crypto.RSASSA_PKCS1_v1_5_sign)
     monkeypatch.setattr(dkim, "parse_pem_private_key", dkim.crypto.parse_pem_private_key)
-    pure = dkim.sign(MESSAGE, b"s1", b"example.com", pem, canonicalize=signing.CANONICALIZATION)
+    monkeypatch.setattr(dkim, "rfc822_parse", canonical.dkimpy_rfc822_parse)
+    monkeypatch.setattr(
+        dkim.canonicalization, "compress_whitespace", canonical.dkimpy_compress_whitespace
+    )
+    monkeypatch.setattr(
+        dkim.canonicalization,
+        "strip_trailing_whitespace",
+        canonical.dkimpy_strip_trailing_whitespace,
+    )
+
+
+@pytest.mark.parametrize("message", [MESSAGE, TEXT_MESSAGE], ids=["short", "text"])
+def test_install_gives_dkimpy_s_own_signature_byte_for_byte(
+    pem: bytes, monkeypatch: pytest.MonkeyPatch, message: bytes
+) -> None:
+    monkeypatch.setattr(dkim.time, "time", lambda: 1796400000)  # t= the same in both
+    with monkeypatch.context() as pure_dkimpy:
+        dkimpy_s_own(pure_dkimpy)
+        pure = dkim.sign(message, b"s1", b"example.com", pem, canonicalize=signing.CANONICALIZATION)
     signing.install()
     assert dkim.RSASSA_PKCS1_v1_5_sign is signing.openssl_sign
     assert dkim.parse_pem_private_key is signing.parse_pem
-    fast = dkim.sign(MESSAGE, b"s1", b"example.com", pem, canonicalize=signing.CANONICALIZATION)
+    assert dkim.rfc822_parse is canonical.rfc822_parse
+    fast = dkim.sign(message, b"s1", b"example.com", pem, canonicalize=signing.CANONICALIZATION)
     assert fast == pure
+
+
+def generated(rng: random.Random, pieces: list[bytes], count: int) -> list[bytes]:
+    return [b"".join(rng.choices(pieces, k=rng.randint(0, 40))) for _ in range(count)]
+
+
+def outcome(function: Callable[[bytes], object], value: bytes) -> object:
+    try:
+        return function(value)
+    except Exception as exc:  # noqa: BLE001  # the same failure is the same outcome
+        return type(exc)
+
+
+def test_canonical_functions_give_dkimpy_s_results_for_any_input() -> None:
+    rng = random.Random(6376)  # the same inputs every run
+    blanks = [b"a", b"b:", b" ", b"  ", b"\t", b"\r", b"\n", b"\r\n", b"\r\r\n", b"\n\n"]
+    for value in generated(rng, blanks, 5000):
+        assert canonical.compress_whitespace(value) == canonical.dkimpy_compress_whitespace(value)
+        assert canonical.strip_trailing_whitespace(value) == (
+            canonical.dkimpy_strip_trailing_whitespace(value)
+        )
+        assert canonical.crlf(value) == b"\r\n".join(re.split(b"\r?\n", value))
+    lines = [b"X-A: v", b"From: a", b"From x", b" folded", b"\tfolded", b"bad line", b"b",
+             b"\r\n", b"\n", b"\r", b"\r\n\r\n", b"\n\r\n", b"\n\n", b" ", b"\t"]  # fmt: skip
+    for value in [*generated(rng, lines, 5000), b"", b"\n", b"\r\n", b"A: b\r\n", b"A: b\n\n"]:
+        assert outcome(canonical.rfc822_parse, value) == outcome(
+            canonical.dkimpy_rfc822_parse, value
+        ), value
 
 
 def test_a_signature_verifies_and_breaks_when_the_message_changes(pem: bytes) -> None:
