@@ -202,3 +202,33 @@ def test_only_fields_the_message_has_are_signed(pem: bytes) -> None:
         if "=" in part
     )
     assert [h.strip() for h in tags["h"].split(":")] == ["from", "subject", "date"]
+
+
+def test_a_key_is_checked_once_however_often_it_is_loaded_and_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A key of its own: the module's may already be loaded in this process.
+    pem = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    loads: list[bytes] = []
+    load = serialization.load_pem_private_key
+
+    def counted(data: bytes, password: bytes | None, **kwargs: object) -> object:
+        loads.append(data)
+        return load(data, password)
+
+    def rebuilt(*args: object, **kwargs: object) -> object:
+        raise AssertionError("the key was built again from its numbers")
+
+    monkeypatch.setattr(serialization, "load_pem_private_key", counted)
+    monkeypatch.setattr(rsa.RSAPrivateNumbers, "private_key", rebuilt)
+    signing.install()
+    key = signing.load_key(pem)  # a worker's start: its options' check
+    signer = signing.Signer("example.com", "s1", pem, ["from"])
+    assert signing.load_key(pem) is key
+    signer.signature(MESSAGE)
+    signer.signature(MESSAGE)
+    assert loads == [pem]

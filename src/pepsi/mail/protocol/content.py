@@ -87,7 +87,8 @@ def unstuff(data: bytes) -> bytes:
 
 def stuff(data: bytes) -> bytes:
     """The message as DATA sends it: CRLF line ends, dot-stuffed, with the final dot."""
-    if data.count(b"\n") != data.count(b"\r\n") or data.count(b"\r") != data.count(b"\r\n"):
+    line_ends = data.count(b"\r\n")  # once: a count is 20-40 µs for 28 KB here
+    if data.count(b"\n") != line_ends or data.count(b"\r") != line_ends:
         data = re.sub(rb"\r\n|\n|\r", b"\r\n", data)  # a bare CR or LF: as smtplib does
     if data.startswith(b"."):
         data = b"." + data
