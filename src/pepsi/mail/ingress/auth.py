@@ -35,10 +35,8 @@ class Authenticating(Connection):
     @property
     def offers_auth(self) -> bool:
         """Whether EHLO offers AUTH now, and HELP lists it (not `auth_…`: a mechanism's name)."""
-        return self.session is not None and self._auth_offered()
-
-    def _auth_offered(self) -> bool:
-        assert self.session is not None
+        if self.session is None:
+            return False
         tls_ok = not self._auth_require_tls or self._tls_protocol is not None
         return tls_ok and not self.session.authenticated and self.local_user is None
 

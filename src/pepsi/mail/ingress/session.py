@@ -74,7 +74,7 @@ class SmtpSession(Authenticating):
         ]  # fmt: skip
         if self.tls_context is not None and self._tls_protocol is None:
             offered.append("STARTTLS")
-        if self._auth_offered():
+        if self.offers_auth:
             offered.append("AUTH PLAIN LOGIN")
         lines = [f"250-{word}" for word in offered[:-1]]
         await self._push_lines([*lines, f"250 {offered[-1]}"])
