@@ -117,10 +117,10 @@ def test_sender_key_follows_its_inputs_and_cannot_be_set(conn: Conn) -> None:
     assert key() == "ip:192.0.2.9"
 
 
-def new_body(conn: Conn, body: bytes = b"hello") -> int:
+def new_body(conn: Conn, body: bytes = b"hello", header: bytes = b"Subject: x\r\n") -> int:
     row = conn.execute(
         "INSERT INTO pepsi.workqueue_body (header, body) VALUES (%s, %s) RETURNING body_id",
-        (b"Subject: x\r\n", body),
+        (header, body),
     ).fetchone()
     assert row is not None
     return int(str(row[0]))
@@ -138,14 +138,11 @@ def test_large_headers_and_bodies_are_stored_as_they_are(conn: Conn) -> None:
     # Compressible text over the 2 KB threshold: pglz would have taken it (0030).
     header = b"".join(b"X-Trace-%d: relayed by host%d.example\r\n" % (n, n) for n in range(200))
     body = b"".join(b"line %d of a long and very repetitive text part\r\n" % n for n in range(2000))
-    body_id = conn.execute(
-        "INSERT INTO pepsi.workqueue_body (header, body) VALUES (%s, %s) RETURNING body_id",
-        (header, body),
-    ).fetchone()
+    body_id = new_body(conn, body, header=header)
     stored = conn.execute(
         "SELECT pg_column_compression(header), pg_column_compression(body),"
         " pg_column_size(body), header, body FROM pepsi.workqueue_body WHERE body_id = %s",
-        body_id,
+        (body_id,),
     ).fetchone()
     assert stored == (None, None, len(body), header, body)
 
