@@ -17,16 +17,13 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import random
 import statistics
-from pathlib import Path
 from typing import Any
 
 import psycopg
-from common import scratch_database
+from common import process_cpu, scratch_database
 
-TICK = os.sysconf("SC_CLK_TCK")
 MODES = {"compressed": "EXTENDED", "plain": "EXTERNAL"}
 WORDS = [
     "the", "mail", "queue", "message", "delivery", "status", "report", "retry", "sender",
@@ -55,32 +52,27 @@ def bodies() -> dict[str, bytes]:
     }
 
 
-def backend_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
 def one_rep(conn: psycopg.Connection[Any], table: str, body: bytes, rows: int) -> dict[str, float]:
     pid = conn.info.backend_pid
     conn.execute(f"TRUNCATE {table}")
-    before = backend_cpu(pid)
+    before = process_cpu(pid)
     with conn.cursor() as cur:
         for _ in range(0, rows, 100):
             cur.executemany(
                 f"INSERT INTO {table} (header, body) VALUES (%s, %s)", [(b"", body)] * 100
             )
-    inserted = backend_cpu(pid)
+    inserted = process_cpu(pid)
     ids = [row[0] for row in conn.execute(f"SELECT body_id FROM {table}").fetchall()]
-    loaded = backend_cpu(pid)
+    loaded = process_cpu(pid)
+    load = f"SELECT header, body FROM {table} WHERE body_id = ANY(%s)"
     for i in range(0, len(ids), 10):
-        load = f"SELECT header, body FROM {table} WHERE body_id = ANY(%s)"
         conn.execute(load, (ids[i : i + 10],)).fetchall()
-    done = backend_cpu(pid)
+    done = process_cpu(pid)
     size = conn.execute("SELECT pg_total_relation_size(%s)", (table,)).fetchone()
     assert size is not None
     for i in range(0, len(ids), 10):
         conn.execute(f"DELETE FROM {table} WHERE body_id = ANY(%s)", (ids[i : i + 10],))
-    deleted = backend_cpu(pid)
+    deleted = process_cpu(pid)
     return {
         "insert_us": (inserted - before) / rows * 1e6,
         "load_us": (done - loaded) / rows * 1e6,

@@ -1,12 +1,25 @@
-"""Shared by the benchmarks: a scratch database on the embedded (or $PEPSI_DSN) server."""
+"""Shared by the benchmarks: a scratch database on the embedded (or $PEPSI_DSN) server,
+and a process's CPU."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import psycopg
 from psycopg import conninfo, sql
 
 from pepsi.config import load_config
 from pepsi.db import connect, schema
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user and system) process `pid` of this machine has used; OSError if
+    it is gone."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def scratch_database(name: str, server: str | None = None) -> str:

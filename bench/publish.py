@@ -36,14 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from common import scratch_database
+from common import process_cpu, scratch_database
 
 from pepsi.config import load_config
 from pepsi.publishing import AsyncPublisher, OutgoingMessage, Publisher
 
 BODY = b"x" * 1024
 CONF = "[stage-inbound]\nHANDLER = bench_stages:noop\n"
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def backend_cpu(pids: list[int]) -> float | None:
@@ -51,10 +50,9 @@ def backend_cpu(pids: list[int]) -> float | None:
     total = 0.0
     for pid in pids:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += process_cpu(pid)
         except OSError:
             return None
-        total += (int(fields[11]) + int(fields[12])) / TICK
     return total
 
 

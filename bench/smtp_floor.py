@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any, cast
 
 HERE = Path(__file__).resolve().parent
-TICK = os.sysconf("SC_CLK_TCK")
 KINDS = ("pepsi-session", "aiosmtpd", "protocol")
 EHLO = b"250-floor\r\n250-PIPELINING\r\n250-SIZE 26214400\r\n250-8BITMIME\r\n250 SMTPUTF8\r\n"
 REPLIES = {b"MAIL": b"250 2.1.0 Ok\r\n", b"RCPT": b"250 2.1.5 Ok\r\n", b"RSET": b"250 Ok\r\n"}
@@ -140,12 +139,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
 def one_run(kind: str, source: str, args: argparse.Namespace) -> dict[str, Any]:
+    from common import process_cpu  # noqa: PLC0415  # not in the receivers' processes
+
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
     proc = subprocess.Popen(
@@ -156,14 +152,14 @@ def one_run(kind: str, source: str, args: argparse.Namespace) -> dict[str, Any]:
         assert proc.stdout is not None
         if proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the {kind} receiver did not start")
-        before, start = cpu_seconds(proc.pid), time.perf_counter()
+        before, start = process_cpu(proc.pid), time.perf_counter()
         subprocess.run(
             [source, "-s", str(args.sessions), "-m", str(args.messages), "-l", str(args.size),
              "-f", "load@sender.example", "-t", "bob@example.com", f"127.0.0.1:{port}"],
             check=True,
         )  # fmt: skip
         seconds = time.perf_counter() - start
-        cpu = cpu_seconds(proc.pid) - before
+        cpu = process_cpu(proc.pid) - before
     finally:
         proc.terminate()
         proc.wait(10)
