@@ -6,6 +6,8 @@ stage, with the content header's property octets byte for byte."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -193,6 +195,42 @@ def test_purge_and_delete_count_and_remove_rows(amqp: Any, conn: Conn) -> None:
     assert rows(conn, "p") == []
     assert not conn.execute("SELECT 1 FROM pepsi.amqp_queue WHERE name = 'p'").fetchall()
     assert ch.queue_delete("p").method.message_count == 0  # gone already: ok
+
+
+def test_a_declaration_waits_only_for_what_its_count_must_see(
+    amqp: Any, conn: Conn, dsn: str
+) -> None:
+    """queue.declare's message_count counts this channel's earlier publishes to that
+    queue and the deliveries it gave back; a publish to another queue still being
+    written does not hold it up (Celery's client declares its reply queue after each
+    task it publishes)."""
+    ch = amqp().channel()
+    for name in ("tasks", "replies"):
+        ch.queue_declare(name)
+    ch.basic_publish("", "tasks", b"kept")
+    ch.queue_declare("tasks", passive=True)  # written: the lock below holds no publish
+    declared = threading.Event()
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute("LOCK TABLE pepsi.workqueue IN EXCLUSIVE MODE")  # inserts wait
+
+        def publish_then_declare() -> int:
+            ch.basic_publish("", "tasks", b"held")  # no confirm: waits in the batcher
+            count = ch.queue_declare("replies", passive=True).method.message_count
+            declared.set()
+            return int(count)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            replies = pool.submit(publish_then_declare)
+            answered = declared.wait(10)
+            blocker.rollback()  # the publish goes ahead
+            assert answered, "the declaration of another queue waited for the publish"
+            assert replies.result(10) == 0
+    assert ch.queue_declare("tasks", passive=True).method.message_count == 2
+    method, _, body = ch.basic_get("tasks")
+    assert body == b"kept"
+    ch.basic_nack(method.delivery_tag, requeue=True)
+    assert ch.queue_declare("tasks", passive=True).method.message_count == 2  # back
+    assert [r[0] for r in rows(conn, "tasks")] == ["pending", "pending"]
 
 
 # -- bindings and routing -------------------------------------------------------------------

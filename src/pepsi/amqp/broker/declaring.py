@@ -68,11 +68,13 @@ class DeclaringChannel(ChannelHandler):
     vhost: str
     last_queue: str | None
 
-    # provided by BrokerChannel, and in_order by ConsumingChannel (after this class in
-    # BrokerChannel's bases): declared for the type checker only, so none hides them
+    # provided by BrokerChannel, and the in_order waits by ConsumingChannel (after this
+    # class in BrokerChannel's bases): declared for the type checker only, so none hides them
     if TYPE_CHECKING:
 
         async def in_order(self) -> None: ...
+
+        async def counted_in_order(self, stage: str) -> None: ...
 
         def _method(self, method: base.Frame) -> contextlib.AbstractContextManager[None]: ...
 
@@ -181,7 +183,6 @@ class DeclaringChannel(ChannelHandler):
 
     async def queue_declare(self, method: commands.Queue.Declare) -> None:
         with self._method(method):
-            await self.in_order()  # its message_count counts this channel's publishes
             queue, count = await self._declare(method)
         self.broker.expiry.touch(self.vhost, queue)  # x-expires: a use
         self.last_queue = queue
@@ -246,6 +247,7 @@ class DeclaringChannel(ChannelHandler):
         found none and no news has come since (Celery's client declares its auto-delete
         reply queue before every task). A row another process published counts from
         the moment its NOTIFY reaches the dispatcher."""
+        await self.counted_in_order(stage)  # this channel's publishes to it, its returns
         if self.broker.deliverer.link.known_empty(stage):
             return 0
         return await self.catalogue.message_count(stage)

@@ -84,7 +84,10 @@ class ConsumingChannel(ChannelHandler):
         deliverer = self.broker.deliverer
         deliverer.books.add(self.book)
         connection.resumed = deliverer.pump_all  # the client reads again
-        self.published = False  # publishes since the channel last waited for their commit
+        # The stages this channel published to since it last waited for their commit, and
+        # whether it returned or rejected deliveries since it last waited for the writes.
+        self.published: set[str] = set()
+        self.returned = False
         self._consumer_tags: dict[str, bytes] = {}  # consumer tag -> shortstr
 
     async def in_order(self) -> None:
@@ -92,9 +95,23 @@ class ConsumingChannel(ChannelHandler):
         consumer outcome recorded so far. A channel's methods are ordered for the client
         (a get after a publish or a nack sees the message, as in RabbitMQ)."""
         if self.published:
-            self.published = False
+            self.published.clear()
             await self.broker.batcher.flush()
+        self.returned = False
         await self.broker.deliverer.flush()
+
+    async def counted_in_order(self, stage: str) -> None:
+        """Wait for what this channel did before that a count of `stage`'s messages must
+        see: its publishes to the stage, the deliveries it returned or rejected (back to
+        their queue, or dead-lettered to another). Celery's client declares its reply
+        queue before every task it publishes to another: the declaration no longer waits
+        for that publish's commit, nor for other channels' acknowledgements."""
+        if stage in self.published:
+            self.published.clear()  # the flush waits for everything submitted so far
+            await self.broker.batcher.flush()
+        if self.returned:
+            self.returned = False
+            await self.broker.deliverer.flush()
 
     # provided by BrokerChannel
     def _method(self, method: base.Frame) -> contextlib.AbstractContextManager[None]:
@@ -304,6 +321,7 @@ class ConsumingChannel(ChannelHandler):
 
     def _return_or_reject(self, deliveries: list[Delivery], requeue: bool) -> None:
         deliverer = self.broker.deliverer
+        self.returned = True
         if requeue:
             deliverer.requeue(deliveries)
         else:
@@ -324,6 +342,7 @@ class ConsumingChannel(ChannelHandler):
             raise AMQPConnectionError(NOT_IMPLEMENTED, "requeue=false", *_ids(type(method)))
         returned = self.book.take_all()
         if returned:
+            self.returned = True
             self.broker.deliverer.requeue(returned)
             self.broker.deliverer.credit_freed(self.book)
 

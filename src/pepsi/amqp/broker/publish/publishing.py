@@ -98,7 +98,7 @@ class PublishingChannel(modes.PublishModes):
     catalogue: Catalogue
     vhost: str
     user: str
-    published: bool  # ConsumingChannel's: publishes since the channel last waited
+    published: set[str]  # ConsumingChannel's: stages published to since the channel last waited
 
     def __init__(self, channel: Channel) -> None:
         super().__init__(channel)
@@ -155,7 +155,7 @@ class PublishingChannel(modes.PublishModes):
             if not batcher.has_room:
                 await batcher.room()
             batcher.submit(unit)
-            self.published = True
+            self._submitted(unit)
 
     async def publish_started(self, method: base.Frame) -> None:
         """Before a publish's body is kept: the write permission and the exchange
@@ -187,8 +187,14 @@ class PublishingChannel(modes.PublishModes):
             raise
         if unit is not None:
             batcher.submit(unit)
-            self.published = True
+            self._submitted(unit)
         return True
+
+    def _submitted(self, unit: Unit) -> None:
+        """The stages of a unit now in the batcher (`counted_in_order` waits for them)."""
+        for item in unit.items:
+            for row in item.rows:
+                self.published.add(row.stage)
 
     def _may_publish(self, method: commands.Basic.Publish) -> None:
         if method.immediate:
