@@ -5,7 +5,9 @@ checked where they land, in pepsi.workqueue."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -262,6 +264,48 @@ def test_two_consumers_take_turns_and_a_cancel_keeps_unacked_deliveries(
     channel.basic_ack(second[0][0].delivery_tag)
     receive(connection, second, 2, "the third message to the remaining consumer")
     assert second[1][2] == b"3"
+
+
+def test_a_declaration_counts_what_a_closed_consumer_gives_back(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn, dsn: str
+) -> None:
+    """Another connection's consumer goes away holding deliveries (and its read-ahead):
+    a declaration of their queue answers once they are written back, not before."""
+    channel = amqp().channel()
+    channel.queue_declare("held")
+    publish(channel, "held", [f"m{i}".encode() for i in range(4)])
+    consumer = amqp()
+    consuming = consumer.channel()
+    consuming.basic_qos(prefetch_count=2)
+    got: list[Message] = []
+    consuming.basic_consume("held", lambda _c, m, p, body: got.append((m, p, body)))
+    receive(consumer, got, 2, "two deliveries, never acked")
+    answered = threading.Event()
+    with (
+        psycopg.connect(dsn) as blocker,
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
+        blocker.execute("LOCK TABLE pepsi.workqueue IN EXCLUSIVE MODE")  # returns wait
+        closed = pool.submit(consumer.close)  # its channel's close waits for the write
+        wait_until(
+            lambda: conn.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND query LIKE '%WITH acked AS%'"
+            ).fetchall(),
+            what="the returns waiting for the lock",
+        )
+
+        def declare() -> int:
+            count = channel.queue_declare("held", passive=True).method.message_count
+            answered.set()
+            return int(count)
+
+        counted = pool.submit(declare)
+        early = answered.wait(2)  # a correct server cannot answer before the write
+        blocker.rollback()
+        assert not early, "the declaration counted before the returns were written"
+        assert counted.result(10) == 4
+        closed.result(10)
 
 
 def test_a_message_count_of_zero_means_every_message_was_sent(

@@ -84,10 +84,7 @@ class ConsumingChannel(ChannelHandler):
         deliverer = self.broker.deliverer
         deliverer.books.add(self.book)
         connection.resumed = deliverer.pump_all  # the client reads again
-        # The stages this channel published to since it last waited for their commit, and
-        # whether it returned or rejected deliveries since it last waited for the writes.
-        self.published: set[str] = set()
-        self.returned = False
+        self.published: set[str] = set()  # stages published to since it last waited
         self._consumer_tags: dict[str, bytes] = {}  # consumer tag -> shortstr
 
     async def in_order(self) -> None:
@@ -97,20 +94,19 @@ class ConsumingChannel(ChannelHandler):
         if self.published:
             self.published.clear()
             await self.broker.batcher.flush()
-        self.returned = False
         await self.broker.deliverer.flush()
 
     async def counted_in_order(self, stage: str) -> None:
-        """Wait for what this channel did before that a count of `stage`'s messages must
-        see: its publishes to the stage, the deliveries it returned or rejected (back to
-        their queue, or dead-lettered to another). Celery's client declares its reply
-        queue before every task it publishes to another: the declaration no longer waits
-        for that publish's commit, nor for other channels' acknowledgements."""
+        """Wait for what a count of `stage`'s messages must see: this channel's publishes
+        to the stage, and every delivery given back to it or dead-lettered (by any
+        channel: a consumer's closed connection returns its messages) that is not
+        written yet. Celery's client declares its reply queue before every task it
+        publishes to another: the declaration no longer waits for that publish's
+        commit, nor for the acknowledgements of every consumer."""
         if stage in self.published:
             self.published.clear()  # the flush waits for everything submitted so far
             await self.broker.batcher.flush()
-        if self.returned:
-            self.returned = False
+        if self.broker.deliverer.settles_into(stage):
             await self.broker.deliverer.flush()
 
     # provided by BrokerChannel
@@ -321,7 +317,6 @@ class ConsumingChannel(ChannelHandler):
 
     def _return_or_reject(self, deliveries: list[Delivery], requeue: bool) -> None:
         deliverer = self.broker.deliverer
-        self.returned = True
         if requeue:
             deliverer.requeue(deliveries)
         else:
@@ -342,7 +337,6 @@ class ConsumingChannel(ChannelHandler):
             raise AMQPConnectionError(NOT_IMPLEMENTED, "requeue=false", *_ids(type(method)))
         returned = self.book.take_all()
         if returned:
-            self.returned = True
             self.broker.deliverer.requeue(returned)
             self.broker.deliverer.credit_freed(self.book)
 

@@ -102,6 +102,12 @@ class Settle(DelivererState):
         ):
             self._gather_cut.set()  # a return, a reject, a flush or enough acks: write now
 
+    def settles_into(self, stage: str) -> bool:
+        """Whether an outcome not written yet may make rows of `stage` pending: a return to
+        it, or any dead letter (its queue's dead-letter exchange may route it there).
+        Acknowledgements delete rows that are not pending: no count waits for them."""
+        return bool(self._returning.get(stage) or self._outcomes.dead or self._dead_in_settle)
+
     async def flush(self) -> None:
         """Return once every outcome recorded so far is written (a channel's methods are
         ordered: a get after a nack must see the nacked message back)."""
@@ -138,6 +144,7 @@ class Settle(DelivererState):
             if not self._outcomes:  # everything recorded so far is in this batch
                 barriers, self._barriers = self._barriers, []
             self._in_settle = batch.ids()
+            self._dead_in_settle = bool(batch.dead)
             try:
                 await self._write(batch)
             except (psycopg.Error, PepsiError, OSError) as error:
@@ -153,6 +160,7 @@ class Settle(DelivererState):
                 continue
             finally:
                 self._in_settle = []
+                self._dead_in_settle = False
             delays = self.backoff.delays()
             self._report(batch)
             for waiter in barriers:

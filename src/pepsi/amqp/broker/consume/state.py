@@ -134,6 +134,7 @@ class DelivererState:
         self._to_pump: set[str] = set()  # stages whose consumers got credit back
         self._pump_scheduled = False
         self._in_settle: list[int] = []  # ids of the commit running now
+        self._dead_in_settle = False  # whether it dead-letters some
 
     def single_active(self, stage: str) -> bool:
         queue = self.queues.get(stage)
