@@ -57,6 +57,23 @@ def receive(connection: pika.BlockingConnection, got: list[Any], n: int, what: s
     wait_until(enough, what=what)
 
 
+def two_held(
+    amqp: Callable[[], pika.BlockingConnection], bodies: list[bytes]
+) -> tuple[BlockingChannel, pika.BlockingConnection]:
+    """`bodies` published to queue "held" (a channel to look with), and a consumer's
+    connection (prefetch 2) that got two of them and acks none."""
+    watcher = amqp().channel()
+    watcher.queue_declare("held")
+    publish(watcher, "held", bodies)
+    connection = amqp()
+    consumer = connection.channel()
+    consumer.basic_qos(prefetch_count=2)
+    got: list[Message] = []
+    consumer.basic_consume("held", lambda ch, m, p, b: got.append((m, p, b)))
+    receive(connection, got, 2, "two deliveries, not acked")
+    return watcher, connection
+
+
 def test_manual_ack_consumer_gets_every_message_in_order_and_acks_delete_them(
     amqp: Callable[[], pika.BlockingConnection], conn: Conn
 ) -> None:
@@ -271,15 +288,7 @@ def test_a_declaration_counts_what_a_closed_consumer_gives_back(
 ) -> None:
     """Another connection's consumer goes away holding deliveries (and its read-ahead):
     a declaration of their queue answers once they are written back, not before."""
-    channel = amqp().channel()
-    channel.queue_declare("held")
-    publish(channel, "held", [f"m{i}".encode() for i in range(4)])
-    consumer = amqp()
-    consuming = consumer.channel()
-    consuming.basic_qos(prefetch_count=2)
-    got: list[Message] = []
-    consuming.basic_consume("held", lambda _c, m, p, body: got.append((m, p, body)))
-    receive(consumer, got, 2, "two deliveries, never acked")
+    channel, consumer = two_held(amqp, [f"m{i}".encode() for i in range(4)])
     answered = threading.Event()
     with (
         psycopg.connect(dsn) as blocker,
@@ -458,15 +467,7 @@ def test_closing_a_connection_puts_its_deliveries_back_before_close_ok(
     amqp: Callable[[], pika.BlockingConnection],
 ) -> None:
     """As RabbitMQ: once connection.close-ok arrives, a passive declare counts them."""
-    watcher = amqp().channel()
-    watcher.queue_declare("held")
-    publish(watcher, "held", [b"m1", b"m2", b"m3"])
-    connection = amqp()
-    consumer = connection.channel()
-    consumer.basic_qos(prefetch_count=2)
-    got: list[Message] = []
-    consumer.basic_consume("held", lambda ch, m, p, b: got.append((m, p, b)))
-    receive(connection, got, 2, "two deliveries")
+    watcher, connection = two_held(amqp, [b"m1", b"m2", b"m3"])
     connection.close()  # two unacked, the third maybe read ahead
     assert watcher.queue_declare("held", passive=True).method.message_count == 3
 
