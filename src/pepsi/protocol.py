@@ -1,7 +1,10 @@
 """The worker line protocol (W-1), both directions. Pure: bytes in, values out.
 
-    dispatcher -> worker (stdin):   one message id per line, "123\\n"
-    worker -> dispatcher (stdout):  "ready\\n" once, then one status line per id,
+    dispatcher -> worker (stdin):   one message id per line, "123\\n"; to a worker
+                                    that announced "ready rows", an id may carry
+                                    its row after a space: "123 [...]\\n"
+    worker -> dispatcher (stdout):  "ready\\n" (or "ready rows\\n") once, then one
+                                    status line per id,
                                     in input order: "0" or a non-zero integer,
                                     optionally " " + a JSON report of the
                                     stages run in that pass:
@@ -13,6 +16,11 @@ newer worker costs an older dispatcher a counter, not the report.
 
 Only an unreadable status is fatal (it desynchronises the positional
 protocol); an unreadable report is dropped with a warning.
+
+"ready rows" is Pepsi's own worker for a stage that reads only metadata: a
+small claim hands it the rows it took (a JSON array, see
+pepsi.workqueue_claimed_rows), so it runs them without a load of its own. A
+program that answers plain "ready" only ever gets ids.
 """
 
 from __future__ import annotations
@@ -20,11 +28,12 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 READY = b"ready"
+READY_ROWS = b"ready rows"
 OUTCOMES = frozenset({"advance", "finish", "pause", "retry", "fail"})
 _STATUS = re.compile(rb"(-?\d{1,9})(?: (.*))?")
 
@@ -52,21 +61,33 @@ class StatusLine:
         return self.status == 0
 
 
-def encode_ids(ids: Iterable[int]) -> bytes:
-    """Ids for a worker's stdin, written in one buffer."""
-    return b"".join(b"%d\n" % i for i in ids)
+def encode_ids(ids: Iterable[int], rows: Mapping[int, bytes] | None = None) -> bytes:
+    """Ids for a worker's stdin, written in one buffer; with its row where `rows` has one."""
+    if not rows:
+        return b"".join(b"%d\n" % i for i in ids)
+    return b"".join(b"%d %s\n" % (i, rows[i]) if i in rows else b"%d\n" % i for i in ids)
 
 
 def parse_id(line: bytes) -> int:
-    """A message id line read by a worker."""
-    text = line.strip()
+    """A message id line read by a worker (its row, if any, left out)."""
+    return parse_id_line(line)[0]
+
+
+def parse_id_line(line: bytes) -> tuple[int, bytes | None]:
+    """A message id line read by a worker: the id, and the row it carries or None."""
+    text, _, row = line.strip().partition(b" ")
     if not text.isdigit():
         raise ProtocolError(f"not a message id: {line[:40]!r}")
-    return int(text)
+    return int(text), row or None
 
 
 def is_ready(line: bytes) -> bool:
-    return line.strip() == READY
+    return line.strip() in (READY, READY_ROWS)
+
+
+def takes_rows(ready_line: bytes) -> bool:
+    """Whether a worker's ready line asked for rows with the ids."""
+    return ready_line.strip() == READY_ROWS
 
 
 def parse_status(line: bytes) -> StatusLine:

@@ -640,9 +640,9 @@ def test_freed_credit_does_not_claim_again_for_a_queue_found_empty(
     asked: list[dict[str, int]] = []
     run_once = dispatcher.claimer.run_once
 
-    async def counting(c: Any, capacities: dict[str, int]) -> Any:
+    async def counting(c: Any, capacities: dict[str, int], *rest: Any) -> Any:
         asked.append(dict(capacities))
-        return await run_once(c, capacities)
+        return await run_once(c, capacities, *rest)
 
     broker.run(lambda: setattr(dispatcher.claimer, "run_once", counting))
 

@@ -12,6 +12,8 @@ from psycopg.types.json import Jsonb
 from pepsi.db.queries import query
 from pepsi.dispatch.policy.fairness import rank
 
+NO_ROWS = {"rows_for": [], "rows_max": 0}  # the claims' rows for workers: none
+
 Conn = psycopg.Connection[tuple[Any, ...]]
 
 
@@ -43,7 +45,7 @@ def claim(
         {
             "stages": [stage], "caps": [cap], "fifo": [fifo], "averages": [average],
             "starts": [start], "lags": Jsonb({stage: lags} if lags else {}),
-            "max_senders": max_senders, "commit": None,
+            "max_senders": max_senders, "commit": None, **NO_ROWS,
         },
     ).fetchone()  # fmt: skip
     assert row is not None
@@ -196,7 +198,7 @@ def test_claim_stays_on_the_sender_index_with_statistics_of_an_empty_queue(conn:
             query("workqueue_claim_fair").as_bytes(),
             {"stages": ["s"], "caps": [128], "fifo": [12], "averages": [0.0001],
              "starts": ["user:u150"], "lags": Jsonb({"s": lags}), "max_senders": 64,
-             "commit": None},
+             "commit": None, **NO_ROWS},
         )  # fmt: skip
     assert touched < 8000, touched  # the bitmap plans read ~24 000 pages for this claim
 

@@ -18,8 +18,10 @@ import pytest
 from pepsi.db.queries import query
 from tests.conftest import TEMPLATE, _fresh
 
+NO_ROWS = {"rows_for": [], "rows_max": 0}  # the claims' rows for workers: none
+
 Conn = psycopg.Connection[tuple[Any, ...]]
-FIFO = {"stages": ["big", "small", "empty"], "caps": [16, 16, 16], "commit": None}
+FIFO = {"stages": ["big", "small", "empty"], "caps": [16, 16, 16], "commit": None, **NO_ROWS}
 
 
 def nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
@@ -157,10 +159,10 @@ def test_both_claims_find_their_rows_by_key_after_a_vacuum_of_an_empty_queue(
             conn.execute(backlog)
             with psycopg.connect(dsn, autocommit=True) as fresh:  # plans made now
                 fifo = claimed_by_key(fresh, "workqueue_claim_fifo",
-                                      {"stages": ["many"], "caps": [64], "commit": None})  # fmt: skip
+                                      {"stages": ["many"], "caps": [64], "commit": None, **NO_ROWS})  # fmt: skip
                 fair = claimed_by_key(fresh, "workqueue_claim_fair", {
                     "stages": ["many"], "caps": [64], "fifo": [6], "averages": [0.001],
-                    "starts": [""], "lags": json.dumps({}), "max_senders": 64, "commit": None,
+                    "starts": [""], "lags": json.dumps({}), "max_senders": 64, "commit": None, **NO_ROWS,
                 })  # fmt: skip
     assert fifo < 1000, fifo
     assert fair < 1000, fair

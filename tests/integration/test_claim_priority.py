@@ -10,6 +10,8 @@ from psycopg.types.json import Jsonb
 
 from pepsi.db.queries import query
 
+NO_ROWS = {"rows_for": [], "rows_max": 0}  # the claims' rows for workers: none
+
 Conn = psycopg.Connection[tuple[Any, ...]]
 
 
@@ -29,7 +31,7 @@ def insert(conn: Conn, stage: str, rows: list[tuple[str, int]]) -> list[int]:
 def fifo(conn: Conn, stage: str, cap: int) -> list[int]:
     """The claimed ids in the order the dispatcher serves them (by the priority returned)."""
     rows = conn.execute(
-        query("workqueue_claim_fifo"), {"stages": [stage], "caps": [cap], "commit": None}
+        query("workqueue_claim_fifo"), {"stages": [stage], "caps": [cap], "commit": None, **NO_ROWS}
     )
     return [int(r[0]) for r in sorted(rows.fetchall(), key=lambda r: (-r[2], r[0]))]
 
@@ -39,7 +41,7 @@ def fair(conn: Conn, stage: str, cap: int, fifo_share: int = 0) -> list[int]:
         query("workqueue_claim_fair"),
         {
             "stages": [stage], "caps": [cap], "fifo": [fifo_share], "averages": [1.0],
-            "starts": [""], "lags": Jsonb({}), "max_senders": 64, "commit": None,
+            "starts": [""], "lags": Jsonb({}), "max_senders": 64, "commit": None, **NO_ROWS,
         },
     ).fetchone()  # fmt: skip
     assert row is not None

@@ -16,17 +16,19 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pepsi.config import Config, DispatchOptions, load_config
+from pepsi.config import Config, DispatchOptions, StageConfig, load_config
 from pepsi.dispatch.coordinator import Dispatcher
 from pepsi.dispatch.ledger import Claimed
 from pepsi.dispatch.policy.fairness import FairShare
 from pepsi.dispatch.rows import MAX_STRIKES, RowWriter
-from pepsi.dispatch.services.claimer import Claimer
+from pepsi.dispatch.services.claimer import ROWS_MAX, Claimer
 from pepsi.dispatch.services.flusher import StatsFlusher
 from pepsi.dispatch.services.sweeper import Sweeper, SweepOptions
 from pepsi.dispatch.session import Session, SessionOptions, connect
 from pepsi.dispatch.stats import Stats
 from pepsi.errors import AlreadyRunning, DatabaseReadOnly, classify, is_reconnect
+from pepsi.stage import Needs
+from pepsi.worker.messages import MessageLoader
 
 REPO = Path(__file__).resolve().parents[2]
 Conn = psycopg.Connection[tuple[Any, ...]]
@@ -365,3 +367,62 @@ def test_a_database_turned_read_only_is_a_reconnect_not_a_bug(dsn: str, conn: Co
     assert is_reconnect(failure)
     assert isinstance(classify(failure), DatabaseReadOnly)
     assert restored
+
+
+def insert_full(conn: Conn, stage: str, n: int) -> list[int]:
+    """Rows with every metadata column set (a body too), as a claim hands them to workers."""
+    body = conn.execute(
+        "INSERT INTO pepsi.workqueue_body (header, body) VALUES ('h', 'b') RETURNING body_id"
+    ).fetchone()
+    assert body is not None
+    rows = conn.execute(
+        "INSERT INTO pepsi.workqueue (stage, message_id, sender, recipients, origin_user,"
+        " origin_peer, header_from, subject, content_type, correlation_id, properties, state,"
+        " body_id)"
+        " SELECT %s, '<m' || g || '@x>', 'a@example.org', ARRAY['b@example.net', 'C@x'],"
+        " 'ann', '2001:db8::1', 'Ann <a@example.org>', 'héllo \"q\"' || chr(10) || 'x',"
+        " 'text/plain', 'c-' || g, '{\"k\": [1, 2.5, null], \"é\": {\"t\": true}}',"
+        ' \'{"strikes": 1, "last_error": "x\\\\ny"}\', %s'
+        " FROM generate_series(1, %s) g ORDER BY g RETURNING workqueue_id",
+        (stage, body[0], n),
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+@pytest.mark.parametrize("fair", [False, True], ids=["fifo", "fair"])
+def test_a_small_claim_hands_the_rows_of_the_stages_that_take_them(
+    dsn: str, conn: Conn, fair: bool
+) -> None:
+    """Each row as the worker's own load would read it once claimed, token included;
+    only for `rows_for`'s stages."""
+
+    takes = insert_full(conn, "takes", 3)
+    plain = insert_full(conn, "plain", 2)
+    share = FairShare(60.0, 0, time.monotonic) if fair else None
+    rows = run(dsn, lambda c: Claimer(share).run_once(c, {"takes": 5, "plain": 5}, ["takes"]))
+    assert sorted(row.wid for row in rows) == sorted(takes + plain)
+    assert all(row.row is None for row in rows if row.stage == "plain")
+    handed = {row.wid: row.row for row in rows if row.stage == "takes"}
+    loader = MessageLoader(StageConfig(name="takes"), Needs.METADATA)
+    with psycopg.connect(dsn, autocommit=True) as worker:
+        loaded = loader.load(worker, takes)  # the worker's own load, as before
+        assert set(loaded) == set(takes)
+        for wid in takes:
+            row = handed[wid]
+            assert row is not None
+            msg = loader.from_claim(worker, wid, row)
+            assert msg is not None
+            assert vars(msg) | {"_loader": None} == vars(loaded[wid]) | {"_loader": None}
+            assert msg._token is not None
+            assert msg._loader is not None  # the body, on first access, as loaded
+            assert msg.body == b"b"
+
+
+@pytest.mark.parametrize("fair", [False, True], ids=["fifo", "fair"])
+def test_a_large_claim_hands_ids_only(dsn: str, conn: Conn, fair: bool) -> None:
+    """A backlog's claim returns no row: the workers load theirs, side by side."""
+    ids = insert_full(conn, "s", ROWS_MAX + 1)
+    share = FairShare(60.0, 0, time.monotonic) if fair else None
+    rows = run(dsn, lambda c: Claimer(share).run_once(c, {"s": 100}, ["s"]))
+    assert sorted(row.wid for row in rows) == ids
+    assert all(row.row is None for row in rows)

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from psycopg import conninfo
 
-from pepsi.protocol import encode_ids, parse_status
+from pepsi.protocol import encode_ids, is_ready, parse_status, takes_rows
 from tests.commits import committed
 from tests.scenarios.conftest import REPO
 
@@ -35,7 +35,10 @@ QUEUE_LIMIT = 8
 """
 
 
-def run_worker(dsn: str, conf: Path, stage: str, ids: list[int]) -> list[bytes]:
+def run_worker(
+    dsn: str, conf: Path, stage: str, ids: list[int], rows: dict[int, bytes] | None = None
+) -> list[bytes]:
+    """Run a worker over `ids` (with `rows`, as a claim hands them); its status lines."""
     with subprocess.Popen(
         [sys.executable, "-m", "pepsi", "-c", str(conf), "worker"],
         env={**os.environ, "PEPSI_STAGE": stage, "PEPSI_DSN": dsn},
@@ -45,8 +48,9 @@ def run_worker(dsn: str, conf: Path, stage: str, ids: list[int]) -> list[bytes]:
     ) as proc:
         assert proc.stdin is not None
         assert proc.stdout is not None
-        assert proc.stdout.readline() == b"ready\n"
-        proc.stdin.write(encode_ids(ids))  # one buffer, as the dispatcher writes it
+        ready = proc.stdout.readline()
+        assert is_ready(ready)
+        proc.stdin.write(encode_ids(ids, rows if takes_rows(ready) else None))  # one buffer
         proc.stdin.flush()
         lines = [proc.stdout.readline() for _ in ids]
         proc.stdin.close()
@@ -109,6 +113,66 @@ def test_bodyless_stage_batches_round_trips(
     assert 9 <= header_stage <= 10  # the header came with the row: no extra SELECT
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM pepsi.workqueue").fetchone() == (0,)
+
+
+def first_line(dsn: str, conf: Path, stage: str) -> bytes:
+    with subprocess.Popen(
+        [sys.executable, "-m", "pepsi", "-c", str(conf), "worker"],
+        env={**os.environ, "PEPSI_STAGE": stage, "PEPSI_DSN": dsn},
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+    ) as proc:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert proc.wait(timeout=30) == 0
+    return line
+
+
+def test_only_a_metadata_stage_asks_for_its_rows(dsn: str, tmp_path: Path) -> None:
+    conf = tmp_path / "pepsi.conf"
+    conf.write_text(CONF)
+    assert first_line(dsn, conf, "meta") == b"ready rows\n"
+    assert first_line(dsn, conf, "body") == b"ready\n"  # it loads its content anyway
+    assert first_line(dsn, conf, "hdr") == b"ready\n"
+
+
+@pytest.mark.usefixtures("no_autovacuum")
+def test_rows_handed_with_their_ids_are_run_without_a_load(
+    dsn: str, admin_dsn: str, rows: list[int], tmp_path: Path
+) -> None:
+    conf = tmp_path / "pepsi.conf"
+    conf.write_text(CONF)
+    dbname = str(conninfo.conninfo_to_dict(dsn)["dbname"])
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        found = conn.execute(
+            "SELECT pepsi.workqueue_claimed_rows(%s, %s, '{meta}')", (rows, ["meta"] * len(rows))
+        ).fetchone()
+        assert found is not None
+        handed = {wid: str(row).encode() for wid, row in zip(rows, found[0], strict=True)}
+    with psycopg.connect(admin_dsn, autocommit=True) as admin:
+        before = committed(admin, dbname)
+        run_worker(dsn, conf, "meta", [])
+        startup = committed(admin, dbname) - before
+        before = committed(admin, dbname)
+        lines = run_worker(dsn, conf, "meta", rows, handed)
+        handed_batch = committed(admin, dbname) - before - startup
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE pepsi.workqueue SET stage = 'meta', status = 'running', state = '{}'"
+            )
+        before = committed(admin, dbname)
+        # one row without its row (one the claim did not return): loaded, alone
+        mixed = run_worker(dsn, conf, "meta", rows, {**handed, rows[3]: b"not json"})
+        mixed_batch = committed(admin, dbname) - before - startup
+    assert [parse_status(line).status for line in lines + mixed] == [0] * 16
+    assert handed_batch == 1  # the outcomes only
+    assert mixed_batch == 2  # the one row's load, the outcomes
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        moved = conn.execute(
+            "SELECT stage, status::text, state FROM pepsi.workqueue ORDER BY workqueue_id"
+        ).fetchall()
+    assert moved == [("body", "pending", {"passes": 1, "stages": ["meta"]})] * 8
 
 
 def test_a_stage_added_in_the_database_overlay_runs(

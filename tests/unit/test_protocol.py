@@ -12,7 +12,9 @@ from pepsi.protocol import (
     format_status,
     is_ready,
     parse_id,
+    parse_id_line,
     parse_status,
+    takes_rows,
 )
 
 
@@ -21,7 +23,7 @@ def test_ids_are_one_buffer_of_lines() -> None:
     assert [parse_id(line) for line in encode_ids([5, 6]).splitlines()] == [5, 6]
 
 
-@pytest.mark.parametrize("line", [b"", b"x\n", b"-1\n", b"1 2\n", b"1.5\n"])
+@pytest.mark.parametrize("line", [b"", b"x\n", b"-1\n", b"1x 2\n", b"1.5\n", b"x [1]\n"])
 def test_bad_ids(line: bytes) -> None:
     with pytest.raises(ProtocolError):
         parse_id(line)
@@ -31,6 +33,18 @@ def test_ready() -> None:
     assert is_ready(b"ready\n")
     assert is_ready(b"ready\r\n")
     assert not is_ready(b"0\n")
+    assert is_ready(b"ready rows\n")
+    assert takes_rows(b"ready rows\n")
+    assert not takes_rows(b"ready\n")
+    assert not is_ready(b"ready all\n")
+
+
+def test_an_id_carries_its_row_only_where_one_is_given() -> None:
+    lines = encode_ids([1, 2, 3], {2: b'["s", 1]', 9: b"[]"}).splitlines()
+    assert lines == [b"1", b'2 ["s", 1]', b"3"]
+    assert [parse_id_line(line) for line in lines] == [(1, None), (2, b'["s", 1]'), (3, None)]
+    assert [parse_id(line) for line in lines] == [1, 2, 3]
+    assert encode_ids([4], {}) == b"4\n"
 
 
 def test_status_without_report() -> None:

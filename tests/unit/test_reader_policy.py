@@ -24,3 +24,17 @@ def test_reader_takes_what_is_buffered_without_blocking() -> None:
         os.close(read_fd)
         if write_fd >= 0:
             os.close(write_fd)
+
+
+def test_reader_keeps_the_rows_of_the_batch_it_returns() -> None:
+    read_fd, write_fd = os.pipe()
+    try:
+        reader = IdReader(read_fd)
+        os.write(write_fd, b'1 ["a"]\n2\n3 ["c"]\n4\n')
+        assert reader.read_batch(3) == [1, 2, 3]
+        assert reader.rows == {1: b'["a"]', 3: b'["c"]'}
+        assert reader.read_batch(3) == [4]
+        assert reader.rows == {}  # the last batch's only
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)

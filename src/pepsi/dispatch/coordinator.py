@@ -263,7 +263,7 @@ class Dispatcher(Endpoints):
         if broker is not None:  # AMQP consumers: one more kind of worker
             capacities.update(broker.deliverer.capacities())
         asked = self.known_empty.room(capacities)
-        claimed = await self.claimer.run_once(conn, asked)
+        claimed = await self.claimer.run_once(conn, asked, self.supervisor.rows_for())
         self.known_empty.claimed(asked, (row.stage for row in claimed))
         if claimed:
             self.ledger.claimed(claimed)

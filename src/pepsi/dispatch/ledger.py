@@ -31,6 +31,7 @@ class Claimed(NamedTuple):
     wid: int
     stage: str
     sender: str | None = None  # known to the fair claim only
+    row: bytes | None = None  # the row itself, for a worker that takes rows (small claims)
 
 
 class InFlight:

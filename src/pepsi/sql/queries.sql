@@ -161,10 +161,25 @@ SELECT pepsi.workqueue_record_outcomes(%(stage)s, %(finished)s::bigint[], %(upda
 -- `commit` 'off': the claim's commit does not wait for its WAL flush (NULL: the
 -- session's synchronous_commit); set for this statement's transaction only,
 -- and read at its commit, so the order of the two FROM items does not matter.
-SELECT c.workqueue_id, c.stage, c.priority
-FROM set_config('synchronous_commit',
-                coalesce(%(commit)s::text, current_setting('synchronous_commit')), true) AS s,
-     pepsi.workqueue_claim_fifo(%(stages)s::text[], %(caps)s::integer[]) AS c;
+-- A claim of at most `rows_max` rows also returns the rows of `rows_for`'s stages
+-- (pepsi.workqueue_claimed_rows, called once after the claim; NULL otherwise).
+WITH a AS MATERIALIZED (
+    SELECT coalesce(array_agg(c.workqueue_id), '{}') AS ids,
+           coalesce(array_agg(c.stage), '{}') AS stages,
+           coalesce(array_agg(c.priority), '{}') AS priorities
+    FROM set_config('synchronous_commit',
+                    coalesce(%(commit)s::text, current_setting('synchronous_commit')),
+                    true) AS s,
+         pepsi.workqueue_claim_fifo(%(stages)s::text[], %(caps)s::integer[]) AS c
+), b AS MATERIALIZED (
+    SELECT a.*,
+           CASE WHEN cardinality(a.ids) BETWEEN 1 AND %(rows_max)s
+                THEN pepsi.workqueue_claimed_rows(a.ids, a.stages, %(rows_for)s::text[])
+           END AS rows
+    FROM a
+)
+SELECT u.workqueue_id, u.stage, u.priority, b.rows[u.n]
+FROM b, unnest(b.ids, b.stages, b.priorities) WITH ORDINALITY AS u(workqueue_id, stage, priority, n);
 
 -- name: workqueue_requeue_running
 -- Give claimed rows back (never ran, or their worker died): only rows still
@@ -295,8 +310,10 @@ SELECT pepsi.workqueue_bounce_failed(%(stages)s::text[], %(sink)s, %(max_rows)s)
 
 -- name: workqueue_claim_fair
 -- P-5: the fair claim for all stages at once (see pepsi.workqueue_claim_fair);
--- `commit` as in workqueue_claim_fifo.
-SELECT c.ids, c.id_stages, c.id_senders, c.next_starts
+-- `commit`, `rows_max` and `rows_for` as in workqueue_claim_fifo.
+SELECT c.ids, c.id_stages, c.id_senders, c.next_starts,
+       CASE WHEN cardinality(c.ids) BETWEEN 1 AND %(rows_max)s
+            THEN pepsi.workqueue_claimed_rows(c.ids, c.id_stages, %(rows_for)s::text[]) END
 FROM set_config('synchronous_commit',
                 coalesce(%(commit)s::text, current_setting('synchronous_commit')), true) AS s,
      pepsi.workqueue_claim_fair(

@@ -1,11 +1,12 @@
-"""Reading ids from stdin: one blocking, or every one already buffered (W-8)."""
+"""Reading ids from stdin: one blocking, or every one already buffered (W-8); the rows
+some carry (to a worker that said "ready rows") kept aside for the batch's load."""
 
 from __future__ import annotations
 
 import os
 import select
 
-from pepsi.protocol import parse_id
+from pepsi.protocol import parse_id_line
 
 CHUNK = 65536
 
@@ -17,6 +18,13 @@ class IdReader:
         self.fd = fd
         self.buffer = b""
         self.eof = False
+        self.rows: dict[int, bytes] = {}  # rows carried by the ids of the last batch
+
+    def _take(self, line: bytes, ids: list[int]) -> None:
+        wid, row = parse_id_line(line)
+        ids.append(wid)
+        if row is not None:
+            self.rows[wid] = row
 
     def _fill(self, block: bool) -> None:
         if self.eof:
@@ -44,11 +52,12 @@ class IdReader:
         non-blocking part stops the moment a read would block.
         """
         ids: list[int] = []
+        self.rows = {}
         while not ids:
             line = self._pop_line()
             if line is not None:
                 if line.strip():
-                    ids.append(parse_id(line))
+                    self._take(line, ids)
                 continue
             if self.eof:
                 return []
@@ -64,5 +73,5 @@ class IdReader:
                     break  # nothing more buffered: run what we have
                 continue
             if line.strip():
-                ids.append(parse_id(line))
+                self._take(line, ids)
         return ids

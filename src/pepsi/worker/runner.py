@@ -19,7 +19,7 @@ import inspect
 import logging
 import select
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -112,6 +112,12 @@ class StageRunner(MessagePasses):
         return self.stage.queue_limit
 
     @property
+    def takes_rows(self) -> bool:
+        """Whether the dispatcher may hand this worker its rows with the ids ("ready rows"):
+        a stage that reads only metadata, which a claimed row holds all of."""
+        return self.needs is Needs.METADATA
+
+    @property
     def answer_each(self) -> bool:
         """Whether each message's outcome is written and answered before the next runs.
 
@@ -121,11 +127,11 @@ class StageRunner(MessagePasses):
         A metadata-only stage writes its batch at once (W-8)."""
         return self.needs is not Needs.METADATA
 
-    def run_batch(self, ids: list[int]) -> bytes:
+    def run_batch(self, ids: list[int], rows: Mapping[int, bytes] | None = None) -> bytes:
         """Process `ids`; return their status lines, in order, as one buffer."""
-        return b"".join(self.answers(ids))
+        return b"".join(self.answers(ids, rows))
 
-    def answers(self, ids: list[int]) -> Iterator[bytes]:
+    def answers(self, ids: list[int], rows: Mapping[int, bytes] | None = None) -> Iterator[bytes]:
         """Process `ids`; their status lines, in order, in as few buffers as can be.
 
         Each buffer answers the messages whose outcomes were just written: the
@@ -138,12 +144,14 @@ class StageRunner(MessagePasses):
         answered yet is answered 74 (lost) or 75 (connection limit): the
         dispatcher pauses or requeues them; the stage's outcome, if any, was
         not recorded and the stage will run again (W-4, W-5).
+
+        `rows`: those the dispatcher handed with their ids, run without a load.
         """
         answered = 0
         try:
             if self.conn.closed or self.conn.broken or ended_by_server(self.conn):
                 self._reopen()
-            for lines, count in self._run_batch(ids):
+            for lines, count in self._run_batch(ids, rows):
                 answered += count
                 yield lines
         except _DatabaseGone as gone:
@@ -174,15 +182,17 @@ class StageRunner(MessagePasses):
             log.warning("cannot reconnect (%s): answering %d", exc, code)
             raise _DatabaseGone(code) from None
 
-    def _run_batch(self, ids: list[int]) -> Iterator[tuple[bytes, int]]:
+    def _run_batch(
+        self, ids: list[int], rows: Mapping[int, bytes] | None
+    ) -> Iterator[tuple[bytes, int]]:
         """Run the batch; each written segment's status lines and how many ids they answer."""
         started = time.perf_counter_ns()
         if self.overrides.due():  # at most every few seconds while the stage has none
             self._check_overrides()
-        if self.overrides.exists:
+        if self.overrides.exists:  # the rows handed are not enough: loaded with them
             messages = self._load_with_settings(ids)
         else:
-            messages = self.messages.load(self.conn, ids)
+            messages = self.messages.load(self.conn, ids, rows)
         segment: list[int] = []
         batch = Batch()
         spent: dict[int, int] = {}

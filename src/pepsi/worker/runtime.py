@@ -29,7 +29,7 @@ from pepsi.db import schema
 from pepsi.db.connect import DEFAULT_TIMEOUT, connect
 from pepsi.db.queries import query
 from pepsi.errors import ConfigError, DatabaseBusy, DatabaseLost, DatabaseUnavailable, WorkerRefused
-from pepsi.protocol import READY
+from pepsi.protocol import READY, READY_ROWS
 from pepsi.telemetry import Sink, install
 from pepsi.worker.handlers import StageFunc, load_handler
 from pepsi.worker.messages import Conn
@@ -71,7 +71,7 @@ def run(config: Config, stage_name: str, dsn: str) -> int:
         open_connection = partial(open_connection, telemetry=sink.enabled)
         runner = StageRunner(config, stage, func, conn, reconnect=open_connection, sink=sink)
         out = sys.stdout.buffer
-        out.write(READY + b"\n")
+        out.write((READY_ROWS if runner.takes_rows else READY) + b"\n")
         out.flush()
         reader = IdReader(sys.stdin.fileno())
         try:
@@ -79,7 +79,7 @@ def run(config: Config, stage_name: str, dsn: str) -> int:
                 ids = reader.read_batch(runner.batch_limit)
                 if not ids:
                     return 0
-                for lines in runner.answers(ids):
+                for lines in runner.answers(ids, reader.rows):
                     out.write(lines)
                     out.flush()
         finally:

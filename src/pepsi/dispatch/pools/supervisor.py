@@ -74,18 +74,32 @@ class PoolSupervisor:
         self.caps = backpressure.active(self.caps, now)
         return {name: pool.free(now, self.cap(name, now)) for name, pool in self.pools.items()}
 
+    def rows_for(self) -> list[str]:
+        """Stages with a worker that takes rows with its ids ("ready rows"): a small claim
+        returns their rows (see `Claimer`)."""
+        return [
+            name
+            for name, pool in self.pools.items()
+            if any(w.takes_rows for w in pool.workers.values())
+        ]
+
     async def feed(self, claimed: Sequence[Claimed]) -> None:
         """Pack claimed ids onto the busiest workers with room, then a new one."""
         by_stage: dict[str, list[int]] = {}
+        rows: dict[int, bytes] = {}  # those the claim returned (small claims)
         for row in claimed:
             by_stage.setdefault(row.stage, []).append(row.wid)
+            if row.row is not None:
+                rows[row.wid] = row.row
         for stage, ids in by_stage.items():
             if stage in self.pools:
-                await self._feed_stage(self.pools[stage], ids)
+                await self._feed_stage(self.pools[stage], ids, rows)
             else:  # removed by a reload while the claim ran
                 self.ledger.requeue(stage, ids)
 
-    async def _feed_stage(self, pool: StagePool, ids: list[int]) -> None:
+    async def _feed_stage(
+        self, pool: StagePool, ids: list[int], rows: dict[int, bytes] | None = None
+    ) -> None:
         stage = pool.config.name
         window = pool.claim_window or pool.window()
         plan = pools.assign(
@@ -94,7 +108,7 @@ class PoolSupervisor:
         if plan.leftover:  # capacity shrank while the claim ran (a worker died)
             self.ledger.requeue(stage, plan.leftover)
         for key, batch in plan.to_existing.items():
-            pool.workers[key].send(batch)
+            pool.workers[key].send(batch, rows)
         for batch in plan.to_new:
             await self._start_worker(pool, batch)
 

@@ -17,11 +17,18 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from pepsi.dispatch.policy.decisions import Exit, WorkerFacts
 from pepsi.dispatch.policy.pools import WorkerLoad, room_for
-from pepsi.protocol import ProtocolError, StatusLine, encode_ids, is_ready, parse_status
+from pepsi.protocol import (
+    ProtocolError,
+    StatusLine,
+    encode_ids,
+    is_ready,
+    parse_status,
+    takes_rows,
+)
 
 log = logging.getLogger("pepsi.dispatch")
 
@@ -52,6 +59,7 @@ class WorkerProcess:
         self.env = env
         self.inflight: deque[int] = deque()
         self.ready = False
+        self.takes_rows = False  # said "ready rows": an id may carry its row
         self.handled = 0
         self.stopping = False
         self.timed_out = False  # killed for exceeding MAX_RUNTIME
@@ -115,8 +123,9 @@ class WorkerProcess:
         self._stderr_task = loop.create_task(self._relay_stderr())
         self._task = loop.create_task(self._read())
 
-    def send(self, ids: Sequence[int]) -> None:
-        """Write ids to the child's stdin in one buffer."""
+    def send(self, ids: Sequence[int], rows: Mapping[int, bytes] | None = None) -> None:
+        """Write ids to the child's stdin in one buffer, with the `rows` given if the child
+        takes them."""
         if not ids:
             return
         if not self.inflight:
@@ -127,7 +136,7 @@ class WorkerProcess:
         if stdin is None or stdin.is_closing():
             return  # the reader will report the exit and these ids as unanswered
         with contextlib.suppress(ConnectionError):
-            stdin.write(encode_ids(ids))
+            stdin.write(encode_ids(ids, rows if self.takes_rows else None))
 
     def close_input(self) -> None:
         """Ask the child to finish: it exits when its stdin closes."""
@@ -206,6 +215,7 @@ class WorkerProcess:
             self._status(line)
         elif is_ready(line):
             self.ready = True
+            self.takes_rows = takes_rows(line)
             if self.inflight:  # MAX_RUNTIME counts from here, not from spawn
                 self.head_since = self.clock()
             self._on_ready(self)

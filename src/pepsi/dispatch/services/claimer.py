@@ -14,6 +14,13 @@ the workers' outcomes do (WORKER_SYNCHRONOUS_COMMIT = yes: no re-run from a
 failover) and when an AMQP queue takes part: a delivery must not come back
 unmarked as redelivered.
 
+A claim of at most ROWS_MAX rows also returns the rows themselves for the
+stages whose workers take them (`rows_for`: metadata-only stages of Pepsi's
+own worker, docs/protocol.md): those workers run them without a load of
+their own, one statement fewer on an idle message's way. A larger claim (a
+backlog draining) returns ids only: the rows' JSON would be built in the one
+claim statement instead of in the workers' loads, side by side.
+
 The arguments go as array literals that the statement casts (see
 `pepsi.db.queries`).
 """
@@ -21,7 +28,7 @@ The arguments go as array literals that the statement casts (see
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import psycopg
@@ -34,6 +41,8 @@ from pepsi.dispatch.policy.fairness import FairShare
 AConn = psycopg.AsyncConnection[tuple[Any, ...]]
 
 MAX_SENDERS = 64  # pending senders a fair claim looks at per stage, from its window's start
+ROWS_MAX = 32  # a claim of at most this many rows hands them to the workers that take rows
+ROW_LIMIT = 60_000  # bytes: a longer row goes as its id (the worker loads it)
 
 
 class Claimer:
@@ -42,14 +51,22 @@ class Claimer:
         self.synchronous = synchronous  # every claim waits for its WAL flush
         self.statements = 0  # claim statements run
 
-    async def run_once(self, conn: AConn, capacities: Mapping[str, int]) -> list[Claimed]:
+    async def run_once(
+        self,
+        conn: AConn,
+        capacities: Mapping[str, int],
+        rows_for: Collection[str] = (),
+    ) -> list[Claimed]:
         """Claim up to `capacities[stage]` rows per stage; the rows in the order to serve
-        them: highest priority first, then oldest (the fair claim returns them so)."""
+        them: highest priority first, then oldest (the fair claim returns them so). A
+        small claim carries the rows of `rows_for`'s stages too."""
         capacities = {stage: cap for stage, cap in capacities.items() if cap > 0}
         if not capacities:
             return []
         self.statements += 1
         commit = self.commit(capacities)
+        rows_for = [stage for stage in rows_for if stage in capacities]
+        rows = {"rows_for": text_array(rows_for), "rows_max": ROWS_MAX if rows_for else 0}
         if self.fair is None:
             cur = await conn.execute(
                 query_text("workqueue_claim_fifo"),
@@ -57,15 +74,16 @@ class Claimer:
                     "stages": text_array(capacities),
                     "caps": number_array(capacities.values()),
                     "commit": commit,
+                    **rows,
                 },
             )
             found = await cur.fetchall()
-            if any(priority for _, _, priority in found):  # highest first, then oldest
+            if any(priority for _, _, priority, _ in found):  # highest first, then oldest
                 found.sort(key=lambda row: (-row[2], row[0]))
             else:
-                found.sort()  # by id: the oldest first (a sort in SQL cost 5 % of a drain)
-            return [Claimed(int(wid), str(stage)) for wid, stage, _ in found]
-        return await self._fair(conn, self.fair, capacities, commit)
+                found.sort(key=_first)  # the oldest first (a sort in SQL cost 5 % of a drain)
+            return [Claimed(int(wid), str(stage), None, _text(row)) for wid, stage, _, row in found]
+        return await self._fair(conn, self.fair, capacities, commit, rows)
 
     def commit(self, capacities: Mapping[str, int]) -> str | None:
         """The claim's synchronous_commit: 'off', or None for the session's (see above)."""
@@ -74,7 +92,12 @@ class Claimer:
         return "off"
 
     async def _fair(
-        self, conn: AConn, fair: FairShare, capacities: Mapping[str, int], commit: str | None
+        self,
+        conn: AConn,
+        fair: FairShare,
+        capacities: Mapping[str, int],
+        commit: str | None,
+        rows: Mapping[str, object],
     ) -> list[Claimed]:
         params = fair.claim_params(capacities)
         row = await (
@@ -89,14 +112,29 @@ class Claimer:
                     "lags": json.dumps(params["lags"]),
                     "max_senders": MAX_SENDERS,
                     "commit": commit,
+                    **rows,
                 },
             )
         ).fetchone()
         assert row is not None
-        ids, stages, senders, starts = row
+        ids, stages, senders, starts, payloads = row
         for stage, start in zip(params["stages"], starts, strict=True):
             fair.window[str(stage)] = str(start)  # where the next claim's senders start
         return [
-            Claimed(int(wid), str(stage), str(sender))
-            for wid, stage, sender in zip(ids, stages, senders, strict=True)
+            Claimed(int(wid), str(stage), str(sender), _row(payloads, i))
+            for i, (wid, stage, sender) in enumerate(zip(ids, stages, senders, strict=True))
         ]
+
+
+def _row(payloads: list[str | None] | None, i: int) -> bytes | None:
+    """The i-th claimed row as a worker takes it, if the claim returned it."""
+    return None if payloads is None else _text(payloads[i])
+
+
+def _text(row: str | None) -> bytes | None:
+    """A claimed row as a worker takes it, if there is one short enough for a line."""
+    return None if row is None or len(row) > ROW_LIMIT else row.encode()
+
+
+def _first(row: tuple[Any, ...]) -> int:
+    return int(row[0])
