@@ -162,24 +162,15 @@ SELECT pepsi.workqueue_record_outcomes(%(stage)s, %(finished)s::bigint[], %(upda
 -- session's synchronous_commit); set for this statement's transaction only,
 -- and read at its commit, so the order of the two FROM items does not matter.
 -- A claim of at most `rows_max` rows also returns the rows of `rows_for`'s stages
--- (pepsi.workqueue_claimed_rows, called once after the claim; NULL otherwise).
-WITH a AS MATERIALIZED (
-    SELECT coalesce(array_agg(c.workqueue_id), '{}') AS ids,
-           coalesce(array_agg(c.stage), '{}') AS stages,
-           coalesce(array_agg(c.priority), '{}') AS priorities
-    FROM set_config('synchronous_commit',
-                    coalesce(%(commit)s::text, current_setting('synchronous_commit')),
-                    true) AS s,
-         pepsi.workqueue_claim_fifo(%(stages)s::text[], %(caps)s::integer[]) AS c
-), b AS MATERIALIZED (
-    SELECT a.*,
-           CASE WHEN cardinality(a.ids) BETWEEN 1 AND %(rows_max)s
-                THEN pepsi.workqueue_claimed_rows(a.ids, a.stages, %(rows_for)s::text[])
-           END AS rows
-    FROM a
-)
-SELECT u.workqueue_id, u.stage, u.priority, b.rows[u.n]
-FROM b, unnest(b.ids, b.stages, b.priorities) WITH ORDINALITY AS u(workqueue_id, stage, priority, n);
+-- (pepsi.workqueue_claimed_rows; NULL otherwise): the count over all the rows makes
+-- the claim run to its end first.
+SELECT c.workqueue_id, c.stage, c.priority,
+       CASE WHEN count(*) OVER () <= %(rows_max)s
+            THEN (pepsi.workqueue_claimed_rows(ARRAY[c.workqueue_id], ARRAY[c.stage],
+                                               %(rows_for)s::text[]))[1] END
+FROM set_config('synchronous_commit',
+                coalesce(%(commit)s::text, current_setting('synchronous_commit')), true) AS s,
+     pepsi.workqueue_claim_fifo(%(stages)s::text[], %(caps)s::integer[]) AS c;
 
 -- name: workqueue_requeue_running
 -- Give claimed rows back (never ran, or their worker died): only rows still
