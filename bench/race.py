@@ -21,8 +21,9 @@ $PEPSI_DSN's) server. Handlers are no-ops everywhere. Reps are interleaved (A B
 C A B C ...); each cell is the median and min..max over reps.
 
 Workloads (--only takes these names):
-  drain          1 stage: consumers running and warm (200 messages through
-                 first), N messages published in batches of 1 000 in one go;
+  drain          1 stage: consumers running and warm (messages through first:
+                 200; Pepsi, 500 at a time until its pool has all its workers),
+                 N messages published in batches of 1 000 in one go;
                  the clock runs from just before the first publish until the
                  last message is done (PostgreSQL contestants: polled every
                  10 ms; RabbitMQ: its consumer reports the last ack). Pepsi

@@ -519,6 +519,9 @@ class Contestant:
         self.procs.clear()
 
 
+WARM_ROUNDS = 20  # of 500 messages, at most, to start every worker of Pepsi's pools
+
+
 class Pepsi(Contestant):
     """Pepsi: a dispatcher (`python -m pepsi dispatch serve`) from a pepsi.conf."""
 
@@ -587,13 +590,22 @@ class Pepsi(Contestant):
         wait_empty(self.db, probe, drain_timeout(n), self.alive)
 
     def warm(self) -> None:
-        """Publish 200 and drain: the pool's workers are started before measuring."""
+        """Publish and drain 500 at a time until every stage's pool has all its workers
+        (PARALLELISM each), as the peers' consumers are all running before the clock.
+        A pool grows as its claims outrun it: 200 messages once started two of a
+        stage's four, and the other two (0.33 s of CPU each) started on the clock."""
         if not self.procs:
             return
         assert self.publisher is not None
+        want = sum(stage.parallelism for stage in self.config.stages.values())
+        dispatcher = psutil.Process(self.procs[0].pid)
         self.shared.stamps.clear()
-        self.publisher.publish_many(self.messages(200))
-        self.wait(200)
+        for _ in range(WARM_ROUNDS):
+            self.publisher.publish_many(self.messages(500))
+            self.wait(500)
+            workers = [c for c in dispatcher.children() if "worker" in c.cmdline()]
+            if len(workers) >= want:
+                break
         self.shared.stamps.clear()
 
     def drain(self, n: int) -> float:
