@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -39,6 +40,13 @@ def run_worker(
     dsn: str, conf: Path, stage: str, ids: list[int], rows: dict[int, bytes] | None = None
 ) -> list[bytes]:
     """Run a worker over `ids` (with `rows`, as a claim hands them); its status lines."""
+    return worker_lines(dsn, conf, stage, ids, rows)[1]
+
+
+def worker_lines(
+    dsn: str, conf: Path, stage: str, ids: list[int], rows: dict[int, bytes] | None = None
+) -> tuple[bytes, list[bytes]]:
+    """A worker's ready line and its status lines for `ids`."""
     with subprocess.Popen(
         [sys.executable, "-m", "pepsi", "-c", str(conf), "worker"],
         env={**os.environ, "PEPSI_STAGE": stage, "PEPSI_DSN": dsn},
@@ -55,7 +63,21 @@ def run_worker(
         lines = [proc.stdout.readline() for _ in ids]
         proc.stdin.close()
         assert proc.wait(timeout=30) == 0
-    return lines
+    return ready, lines
+
+
+@pytest.fixture
+def conf(tmp_path: Path) -> Path:
+    path = tmp_path / "pepsi.conf"
+    path.write_text(CONF)
+    return path
+
+
+def startup_commits(admin: psycopg.Connection[Any], dsn: str, conf: Path, dbname: str) -> int:
+    """The commits a worker's start and stop cost (counted out of each batch's)."""
+    before = committed(admin, dbname)
+    run_worker(dsn, conf, "meta", [])
+    return committed(admin, dbname) - before
 
 
 @pytest.fixture
@@ -75,15 +97,11 @@ def rows(dsn: str) -> list[int]:
 
 @pytest.mark.usefixtures("no_autovacuum")
 def test_bodyless_stage_batches_round_trips(
-    dsn: str, admin_dsn: str, rows: list[int], tmp_path: Path
+    dsn: str, admin_dsn: str, rows: list[int], conf: Path
 ) -> None:
-    conf = tmp_path / "pepsi.conf"
-    conf.write_text(CONF)
     dbname = str(conninfo.conninfo_to_dict(dsn)["dbname"])
     with psycopg.connect(admin_dsn, autocommit=True) as admin:
-        before = committed(admin, dbname)
-        run_worker(dsn, conf, "meta", [])
-        startup = committed(admin, dbname) - before
+        startup = startup_commits(admin, dsn, conf, dbname)
 
         before = committed(admin, dbname)
         lines = run_worker(dsn, conf, "meta", rows)
@@ -115,34 +133,16 @@ def test_bodyless_stage_batches_round_trips(
         assert conn.execute("SELECT count(*) FROM pepsi.workqueue").fetchone() == (0,)
 
 
-def first_line(dsn: str, conf: Path, stage: str) -> bytes:
-    with subprocess.Popen(
-        [sys.executable, "-m", "pepsi", "-c", str(conf), "worker"],
-        env={**os.environ, "PEPSI_STAGE": stage, "PEPSI_DSN": dsn},
-        cwd=REPO,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-    ) as proc:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert proc.wait(timeout=30) == 0
-    return line
-
-
-def test_only_a_metadata_stage_asks_for_its_rows(dsn: str, tmp_path: Path) -> None:
-    conf = tmp_path / "pepsi.conf"
-    conf.write_text(CONF)
-    assert first_line(dsn, conf, "meta") == b"ready rows\n"
-    assert first_line(dsn, conf, "body") == b"ready\n"  # it loads its content anyway
-    assert first_line(dsn, conf, "hdr") == b"ready\n"
+def test_only_a_metadata_stage_asks_for_its_rows(dsn: str, conf: Path) -> None:
+    assert worker_lines(dsn, conf, "meta", [])[0] == b"ready rows\n"
+    assert worker_lines(dsn, conf, "body", [])[0] == b"ready\n"  # it loads its content anyway
+    assert worker_lines(dsn, conf, "hdr", [])[0] == b"ready\n"
 
 
 @pytest.mark.usefixtures("no_autovacuum")
 def test_rows_handed_with_their_ids_are_run_without_a_load(
-    dsn: str, admin_dsn: str, rows: list[int], tmp_path: Path
+    dsn: str, admin_dsn: str, rows: list[int], conf: Path
 ) -> None:
-    conf = tmp_path / "pepsi.conf"
-    conf.write_text(CONF)
     dbname = str(conninfo.conninfo_to_dict(dsn)["dbname"])
     with psycopg.connect(dsn, autocommit=True) as conn:
         found = conn.execute(
@@ -151,9 +151,7 @@ def test_rows_handed_with_their_ids_are_run_without_a_load(
         assert found is not None
         handed = {wid: str(row).encode() for wid, row in zip(rows, found[0], strict=True)}
     with psycopg.connect(admin_dsn, autocommit=True) as admin:
-        before = committed(admin, dbname)
-        run_worker(dsn, conf, "meta", [])
-        startup = committed(admin, dbname) - before
+        startup = startup_commits(admin, dsn, conf, dbname)
         before = committed(admin, dbname)
         lines = run_worker(dsn, conf, "meta", rows, handed)
         handed_batch = committed(admin, dbname) - before - startup
