@@ -12,7 +12,7 @@ from psycopg.types.json import Jsonb
 from pepsi.db.queries import query
 from pepsi.dispatch.policy.fairness import rank
 
-NO_ROWS = {"rows_for": [], "rows_max": 0}  # the claims' rows for workers: none
+NO_ROWS = {"rows_for": [], "rows_max": 0, "drain_for": []}  # rows for workers: none
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 

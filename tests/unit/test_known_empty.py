@@ -31,6 +31,23 @@ def test_a_claim_that_found_some_rows_says_nothing_about_the_rest() -> None:
     assert known.room({"a": 10}) == {"a": 10}
 
 
+def test_a_stage_the_claim_drained_is_skipped_until_news() -> None:
+    known = KnownEmpty()
+    known.claimed(known.room({"a": 10, "b": 10}), ["a", "b"], drained=["a"])
+    assert known.room({"a": 10, "b": 10}) == {"b": 10}  # b may have rows left
+    known.heard_of({"a"})  # its rows requeued, or a publish the listener committed
+    assert known.room({"a": 10, "b": 10}) == {"a": 10, "b": 10}
+
+
+def test_news_during_a_claim_outlasts_what_it_drained() -> None:
+    known = KnownEmpty()
+    asked = known.room({"a": 10, "b": 10})
+    known.heard_of({"a"})  # the AMQP listener's commit, while the claim ran
+    known.heard()  # a NOTIFY, while the claim ran
+    known.claimed(asked, ["a", "b"], drained=["a", "b"])
+    assert known.room({"a": 10, "b": 10}) == {"a": 10, "b": 10}
+
+
 def test_a_publish_is_news_of_its_own_stages_only() -> None:
     known = KnownEmpty()
     known.claimed(known.room({"a": 1, "b": 1}), [])

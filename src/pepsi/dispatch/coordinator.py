@@ -253,6 +253,8 @@ class Dispatcher(Endpoints):
             log.info("telemetry switch changed: %d live workers retired", n)
         self.supervisor.tend()
         if self.rows:
+            # rows going back to pending: news for a stage a claim found drained
+            self.known_empty.heard_of(stage for stage, ids in self.rows.requeues.items() if ids)
             soonest = await self.rows.flush(conn, self.clock())
             if soonest is not None:
                 self.sweeper.due_in(soonest)
@@ -264,7 +266,7 @@ class Dispatcher(Endpoints):
             capacities.update(broker.deliverer.capacities())
         asked = self.known_empty.room(capacities)
         claimed = await self.claimer.run_once(conn, asked, self.supervisor.rows_for())
-        self.known_empty.claimed(asked, (row.stage for row in claimed))
+        self.known_empty.claimed(asked, (row.stage for row in claimed), self.claimer.drained)
         if claimed:
             self.ledger.claimed(claimed)
             if broker is not None:

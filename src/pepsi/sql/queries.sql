@@ -164,10 +164,15 @@ SELECT pepsi.workqueue_record_outcomes(%(stage)s, %(finished)s::bigint[], %(upda
 -- A claim of at most `rows_max` rows also returns the rows of `rows_for`'s stages
 -- (pepsi.workqueue_claimed_rows; NULL otherwise): the count over all the rows makes
 -- the claim run to its end first.
+-- The first row also says which of `drain_for`'s stages the claim left without a
+-- pending row (pepsi.workqueue_stages_drained).
 SELECT c.workqueue_id, c.stage, c.priority,
        CASE WHEN count(*) OVER () <= %(rows_max)s
             THEN (pepsi.workqueue_claimed_rows(ARRAY[c.workqueue_id], ARRAY[c.stage],
-                                               %(rows_for)s::text[]))[1] END
+                                               %(rows_for)s::text[]))[1] END,
+       CASE WHEN row_number() OVER () = 1
+            THEN pepsi.workqueue_stages_drained(array_agg(c.stage) OVER (),
+                                                %(drain_for)s::text[]) END
 FROM set_config('synchronous_commit',
                 coalesce(%(commit)s::text, current_setting('synchronous_commit')), true) AS s,
      pepsi.workqueue_claim_fifo(%(stages)s::text[], %(caps)s::integer[]) AS c;
@@ -301,10 +306,12 @@ SELECT pepsi.workqueue_bounce_failed(%(stages)s::text[], %(sink)s, %(max_rows)s)
 
 -- name: workqueue_claim_fair
 -- P-5: the fair claim for all stages at once (see pepsi.workqueue_claim_fair);
--- `commit`, `rows_max` and `rows_for` as in workqueue_claim_fifo.
+-- `commit`, `rows_max`, `rows_for` and `drain_for` as in workqueue_claim_fifo.
 SELECT c.ids, c.id_stages, c.id_senders, c.next_starts,
        CASE WHEN cardinality(c.ids) BETWEEN 1 AND %(rows_max)s
-            THEN pepsi.workqueue_claimed_rows(c.ids, c.id_stages, %(rows_for)s::text[]) END
+            THEN pepsi.workqueue_claimed_rows(c.ids, c.id_stages, %(rows_for)s::text[]) END,
+       CASE WHEN cardinality(c.ids) > 0
+            THEN pepsi.workqueue_stages_drained(c.id_stages, %(drain_for)s::text[]) END
 FROM set_config('synchronous_commit',
                 coalesce(%(commit)s::text, current_setting('synchronous_commit')), true) AS s,
      pepsi.workqueue_claim_fair(

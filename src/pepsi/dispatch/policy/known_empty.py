@@ -15,11 +15,13 @@ but freed credit and a worker's answer that made no row pending (a NOTIFY, an
 answer that advanced its message or that this build cannot read, a settle's
 returns, a timer or the poll tick, a reconnection), which counts for every stage.
 A worker's split of a message and the messages it makes (delivery status
-notifications) are pending rows too: their statements NOTIFY. Only a claim that found
-nothing counts: a fair claim may leave rows of a crowded stage for the next claim,
-and a claim that found some says nothing about the rest. News that comes while a
-claim runs counts against what that claim found. Pure: the dispatcher says what
-happened.
+notifications) are pending rows too: their statements NOTIFY. A claim that found
+nothing counts, and so does a stage the claim took rows of and left without a
+pending one (`drained`, probed in the claim's statement after the claim: worker
+stages only); otherwise a claim that found some says nothing about the rest (a
+fair claim may leave rows of a crowded stage for the next one). News that comes
+while a claim runs counts against what that claim found. Pure: the dispatcher
+says what happened.
 """
 
 from __future__ import annotations
@@ -70,10 +72,13 @@ class KnownEmpty:
         self.heard_since = set()
         return {s: n for s, n in capacities.items() if n > 0 and s not in self.stages}
 
-    def claimed(self, asked: Iterable[str], found: Iterable[str]) -> None:
+    def claimed(
+        self, asked: Iterable[str], found: Iterable[str], drained: Iterable[str] = ()
+    ) -> None:
         """After a claim: the stages `asked` that `found` (the claimed rows' stages) lacks,
-        unless news of them came meanwhile."""
+        and those it `drained`, unless news of them came meanwhile."""
         self.stages.update(set(asked).difference(found, self.heard_since))
+        self.stages.update(set(drained).difference(self.heard_since))
 
 
 __all__ = ["SETTLED", "KnownEmpty", "answer_is_news"]

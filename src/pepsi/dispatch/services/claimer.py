@@ -14,6 +14,12 @@ the workers' outcomes do (WORKER_SYNCHRONOUS_COMMIT = yes: no re-run from a
 failover) and when an AMQP queue takes part: a delivery must not come back
 unmarked as redelivered.
 
+A claim also says which stages served by workers it left without a pending row
+(`drained`, a probe after the claim in its statement): the dispatcher then
+skips them until news comes, rather than claim again after each answer and
+find nothing (`policy.known_empty`). AMQP queues are left out: their read-ahead
+counts as ready messages, and only a claim that found nothing marks them.
+
 A claim of at most ROWS_MAX rows also returns the rows themselves for the
 stages whose workers take them (`rows_for`: metadata-only stages of Pepsi's
 own worker, docs/protocol.md): those workers run them without a load of
@@ -50,6 +56,7 @@ class Claimer:
         self.fair = fair
         self.synchronous = synchronous  # every claim waits for its WAL flush
         self.statements = 0  # claim statements run
+        self.drained: frozenset[str] = frozenset()  # the last claim's, see above
 
     async def run_once(
         self,
@@ -61,12 +68,18 @@ class Claimer:
         them: highest priority first, then oldest (the fair claim returns them so). A
         small claim carries the rows of `rows_for`'s stages too."""
         capacities = {stage: cap for stage, cap in capacities.items() if cap > 0}
+        self.drained = frozenset()
         if not capacities:
             return []
         self.statements += 1
         commit = self.commit(capacities)
         rows_for = [stage for stage in rows_for if stage in capacities]
-        rows = {"rows_for": text_array(rows_for), "rows_max": ROWS_MAX if rows_for else 0}
+        drain_for = [s for s in capacities if not s.startswith(AMQP_STAGE_PREFIX)]
+        rows = {
+            "rows_for": text_array(rows_for),
+            "rows_max": ROWS_MAX if rows_for else 0,
+            "drain_for": text_array(drain_for),
+        }
         if self.fair is None:
             cur = await conn.execute(
                 query_text("workqueue_claim_fifo"),
@@ -78,11 +91,15 @@ class Claimer:
                 },
             )
             found = await cur.fetchall()
-            if any(priority for _, _, priority, _ in found):  # highest first, then oldest
+            if found:
+                self.drained = frozenset(found[0][4] or ())
+            if any(priority for _, _, priority, _, _ in found):  # highest first, then oldest
                 found.sort(key=lambda row: (-row[2], row[0]))
             else:
                 found.sort(key=_first)  # the oldest first (a sort in SQL cost 5 % of a drain)
-            return [Claimed(int(wid), str(stage), None, _text(row)) for wid, stage, _, row in found]
+            return [
+                Claimed(int(wid), str(stage), None, _text(row)) for wid, stage, _, row, _ in found
+            ]
         return await self._fair(conn, self.fair, capacities, commit, rows)
 
     def commit(self, capacities: Mapping[str, int]) -> str | None:
@@ -117,7 +134,8 @@ class Claimer:
             )
         ).fetchone()
         assert row is not None
-        ids, stages, senders, starts, payloads = row
+        ids, stages, senders, starts, payloads, drained = row
+        self.drained = frozenset(drained or ())
         for stage, start in zip(params["stages"], starts, strict=True):
             fair.window[str(stage)] = str(start)  # where the next claim's senders start
         return [
