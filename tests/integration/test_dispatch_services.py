@@ -447,3 +447,41 @@ def test_a_claim_names_the_worker_stages_it_left_without_a_pending_row(
     assert claimer.drained == {"b"}
     assert run(dsn, lambda c: claimer.run_once(c, {"b": 10})) == []
     assert claimer.drained == set()
+
+
+def test_a_row_put_back_to_pending_is_claimed_though_its_stage_was_drained(
+    dsn: str, conn: Conn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim that takes a stage's last rows marks it empty until news; rows the
+    dispatcher itself puts back to pending (a worker gone before running them) are
+    news for their stage, or they would wait for the poll tick."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    conf = tmp_path / "pepsi.conf"
+    conf.write_text("[stage-a]\nHANDLER = tests.stages:noop\n")
+    insert(conn, "a", ["x", "y"])
+
+    async def main() -> tuple[bool, int, int]:
+        dispatcher = Dispatcher(load_config(conf), dsn)
+        await dispatcher.session.open()
+        try:
+            await dispatcher.session.start_checks(["a"])
+            await dispatcher.cycle()  # claims both: the stage is drained
+            drained = dispatcher.known_empty.empty("a")
+            (worker,) = dispatcher.supervisor.pools["a"].workers.values()
+            deadline = time.monotonic() + 30
+            while worker.inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)  # the worker answers on its own
+            await dispatcher.cycle()  # its answers settled: nothing to claim
+            before = dispatcher.claimer.statements
+            (wid,) = insert(conn, "a", ["z"], "running")
+            dispatcher.ledger.requeue("a", [wid])  # as for a worker gone before running it
+            await dispatcher.cycle()
+            return drained, dispatcher.claimer.statements - before, wid
+        finally:
+            await dispatcher.supervisor.shutdown()
+            await dispatcher.session.close()
+
+    drained, claims, wid = asyncio.run(main())
+    assert drained
+    assert claims == 1  # the requeue was news for `a`
+    assert statuses(conn).get(wid) != "pending"  # claimed again (and perhaps run)
