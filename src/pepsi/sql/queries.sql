@@ -170,7 +170,7 @@ SELECT c.workqueue_id, c.stage, c.priority,
        CASE WHEN count(*) OVER () <= %(rows_max)s
             THEN (pepsi.workqueue_claimed_rows(ARRAY[c.workqueue_id], ARRAY[c.stage],
                                                %(rows_for)s::text[]))[1] END,
-       CASE WHEN row_number() OVER () = 1
+       CASE WHEN row_number() OVER () = 1 AND cardinality(%(drain_for)s::text[]) > 0
             THEN pepsi.workqueue_stages_drained(array_agg(c.stage) OVER (),
                                                 %(drain_for)s::text[]) END
 FROM set_config('synchronous_commit',
@@ -310,7 +310,7 @@ SELECT pepsi.workqueue_bounce_failed(%(stages)s::text[], %(sink)s, %(max_rows)s)
 SELECT c.ids, c.id_stages, c.id_senders, c.next_starts,
        CASE WHEN cardinality(c.ids) BETWEEN 1 AND %(rows_max)s
             THEN pepsi.workqueue_claimed_rows(c.ids, c.id_stages, %(rows_for)s::text[]) END,
-       CASE WHEN cardinality(c.ids) > 0
+       CASE WHEN cardinality(c.ids) > 0 AND cardinality(%(drain_for)s::text[]) > 0
             THEN pepsi.workqueue_stages_drained(c.id_stages, %(drain_for)s::text[]) END
 FROM set_config('synchronous_commit',
                 coalesce(%(commit)s::text, current_setting('synchronous_commit')), true) AS s,
