@@ -68,11 +68,6 @@ def encode_ids(ids: Iterable[int], rows: Mapping[int, bytes] | None = None) -> b
     return b"".join(b"%d %s\n" % (i, rows[i]) if i in rows else b"%d\n" % i for i in ids)
 
 
-def parse_id(line: bytes) -> int:
-    """A message id line read by a worker (its row, if any, left out)."""
-    return parse_id_line(line)[0]
-
-
 def parse_id_line(line: bytes) -> tuple[int, bytes | None]:
     """A message id line read by a worker: the id, and the row it carries or None."""
     text, _, row = line.strip().partition(b" ")

@@ -146,7 +146,7 @@ def test_rows_handed_with_their_ids_are_run_without_a_load(
     dbname = str(conninfo.conninfo_to_dict(dsn)["dbname"])
     with psycopg.connect(dsn, autocommit=True) as conn:
         found = conn.execute(
-            "SELECT pepsi.workqueue_claimed_rows(%s, %s, '{meta}')", (rows, ["meta"] * len(rows))
+            "SELECT pepsi.workqueue_claimed_rows(%s, '{meta}')", (rows,)
         ).fetchone()
         assert found is not None
         handed = {wid: str(row).encode() for wid, row in zip(rows, found[0], strict=True)}

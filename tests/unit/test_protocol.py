@@ -11,7 +11,6 @@ from pepsi.protocol import (
     encode_ids,
     format_status,
     is_ready,
-    parse_id,
     parse_id_line,
     parse_status,
     takes_rows,
@@ -20,13 +19,16 @@ from pepsi.protocol import (
 
 def test_ids_are_one_buffer_of_lines() -> None:
     assert encode_ids([1, 22, 333]) == b"1\n22\n333\n"
-    assert [parse_id(line) for line in encode_ids([5, 6]).splitlines()] == [5, 6]
+    assert [parse_id_line(line) for line in encode_ids([5, 6]).splitlines()] == [
+        (5, None),
+        (6, None),
+    ]
 
 
 @pytest.mark.parametrize("line", [b"", b"x\n", b"-1\n", b"1x 2\n", b"1.5\n", b"x [1]\n"])
 def test_bad_ids(line: bytes) -> None:
     with pytest.raises(ProtocolError):
-        parse_id(line)
+        parse_id_line(line)
 
 
 def test_ready() -> None:
@@ -43,7 +45,6 @@ def test_an_id_carries_its_row_only_where_one_is_given() -> None:
     lines = encode_ids([1, 2, 3], {2: b'["s", 1]', 9: b"[]"}).splitlines()
     assert lines == [b"1", b'2 ["s", 1]', b"3"]
     assert [parse_id_line(line) for line in lines] == [(1, None), (2, b'["s", 1]'), (3, None)]
-    assert [parse_id(line) for line in lines] == [1, 2, 3]
     assert encode_ids([4], {}) == b"4\n"
 
 

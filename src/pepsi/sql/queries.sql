@@ -167,8 +167,8 @@ SELECT pepsi.workqueue_record_outcomes(%(stage)s, %(finished)s::bigint[], %(upda
 -- The first row also says which of `drain_for`'s stages the claim left without a
 -- pending row (pepsi.workqueue_stages_drained).
 SELECT c.workqueue_id, c.stage, c.priority,
-       CASE WHEN count(*) OVER () <= %(rows_max)s
-            THEN (pepsi.workqueue_claimed_rows(ARRAY[c.workqueue_id], ARRAY[c.stage],
+       CASE WHEN count(*) OVER () <= %(rows_max)s AND c.stage = ANY(%(rows_for)s::text[])
+            THEN (pepsi.workqueue_claimed_rows(ARRAY[c.workqueue_id],
                                                %(rows_for)s::text[]))[1] END,
        CASE WHEN row_number() OVER () = 1 AND cardinality(%(drain_for)s::text[]) > 0
             THEN pepsi.workqueue_stages_drained(array_agg(c.stage) OVER (),
@@ -309,7 +309,7 @@ SELECT pepsi.workqueue_bounce_failed(%(stages)s::text[], %(sink)s, %(max_rows)s)
 -- `commit`, `rows_max`, `rows_for` and `drain_for` as in workqueue_claim_fifo.
 SELECT c.ids, c.id_stages, c.id_senders, c.next_starts,
        CASE WHEN cardinality(c.ids) BETWEEN 1 AND %(rows_max)s
-            THEN pepsi.workqueue_claimed_rows(c.ids, c.id_stages, %(rows_for)s::text[]) END,
+            THEN pepsi.workqueue_claimed_rows(c.ids, %(rows_for)s::text[]) END,
        CASE WHEN cardinality(c.ids) > 0 AND cardinality(%(drain_for)s::text[]) > 0
             THEN pepsi.workqueue_stages_drained(c.id_stages, %(drain_for)s::text[]) END
 FROM set_config('synchronous_commit',

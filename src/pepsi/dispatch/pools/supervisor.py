@@ -97,9 +97,7 @@ class PoolSupervisor:
             else:  # removed by a reload while the claim ran
                 self.ledger.requeue(stage, ids)
 
-    async def _feed_stage(
-        self, pool: StagePool, ids: list[int], rows: dict[int, bytes] | None = None
-    ) -> None:
+    async def _feed_stage(self, pool: StagePool, ids: list[int], rows: dict[int, bytes]) -> None:
         stage = pool.config.name
         window = pool.claim_window or pool.window()
         plan = pools.assign(
