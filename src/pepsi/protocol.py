@@ -29,13 +29,18 @@ import functools
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 READY = b"ready"
 READY_ROWS = b"ready rows"
 OUTCOMES = frozenset({"advance", "finish", "pause", "retry", "fail"})
 _STATUS = re.compile(rb"(-?\d{1,9})(?: (.*))?")
+# The line nearly every pass writes: one stage, its microseconds, maybe an
+# outcome, in JSON that needs no decoder (no escapes, no leading zeros). Read
+# by this pattern in a fifth of json.loads' time; anything else goes to it.
+_ONE_PASS = re.compile(
+    rb'(-?\d{1,9}) \[\["([^"\\\x00-\x1f]*)",(0|[1-9]\d{0,17})(?:,"([a-z]*)")?\]\]'
+)
 
 
 class ProtocolError(Exception):
@@ -50,8 +55,9 @@ class Pass(NamedTuple):
     outcome: str | None = None
 
 
-@dataclass(frozen=True)
-class StatusLine:
+class StatusLine(NamedTuple):
+    """A worker's answer for one id (a tuple: one per message, made cheaply)."""
+
     status: int
     report: tuple[Pass, ...] | None = None  # None: no (readable) report
     report_error: str | None = None  # why a report present on the line was dropped
@@ -87,7 +93,17 @@ def takes_rows(ready_line: bytes) -> bool:
 
 def parse_status(line: bytes) -> StatusLine:
     """A status line read by the dispatcher; ProtocolError if the status is unreadable."""
-    match = _STATUS.fullmatch(line.rstrip(b"\r\n"))
+    line = line.rstrip(b"\r\n")
+    one = _ONE_PASS.fullmatch(line)
+    if one is not None:
+        status, stage, micros, outcome = one.groups()
+        try:
+            name, known = _names(stage, outcome)
+        except UnicodeDecodeError:
+            pass  # json.loads below says why
+        else:
+            return StatusLine(int(status), (Pass(name, int(micros), known),))
+    match = _STATUS.fullmatch(line)
     if match is None:
         raise ProtocolError(f"unreadable status line: {line[:80]!r}")
     status = int(match.group(1))
@@ -98,6 +114,13 @@ def parse_status(line: bytes) -> StatusLine:
         return StatusLine(status, _parse_report(json.loads(raw_report)))
     except (ValueError, TypeError) as exc:
         return StatusLine(status, None, f"unreadable report {raw_report[:80]!r}: {exc}")
+
+
+@functools.lru_cache(maxsize=256)
+def _names(stage: bytes, outcome: bytes | None) -> tuple[str, str | None]:
+    """A one-pass line's stage and known outcome as text (a few pairs: cached)."""
+    text = outcome.decode() if outcome is not None else None
+    return stage.decode(), text if text in OUTCOMES else None
 
 
 def _parse_report(value: object) -> tuple[Pass, ...]:

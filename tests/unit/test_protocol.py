@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -78,6 +80,9 @@ def test_report_names_outcomes_and_ignores_unknown_ones() -> None:
         b'[["a",true]]',
         b'[["a",1,2]]',
         b'[["a",1,"finish","x"]]',
+        b'[["a",012]]',
+        b'[["\xff",1]]',
+        b'[["a",1,"\xff"]]',
     ],
 )
 def test_unreadable_report_is_dropped_not_fatal(report: bytes) -> None:
@@ -110,6 +115,26 @@ def test_status_round_trips(status: int, report: list[Pass] | None) -> None:
     line = parse_status(format_status(status, report))
     assert line.status == status
     assert line.report == (None if report is None else tuple(report))
+
+
+@given(
+    st.integers(min_value=-(10**8), max_value=10**8),
+    st.text(max_size=12),
+    st.integers(min_value=0, max_value=10**15),
+    st.none() | st.text(max_size=8) | st.sampled_from(sorted(OUTCOMES)),
+)
+def test_a_one_pass_line_reads_as_its_json(
+    status: int, stage: str, micros: int, outcome: str | None
+) -> None:
+    """The one-pass line's own reader agrees with JSON's, whatever the names hold."""
+    entry = [stage, micros] if outcome is None else [stage, micros, outcome]
+    for text in (
+        json.dumps([entry], separators=(",", ":")),
+        json.dumps([entry], ensure_ascii=False),
+    ):
+        line = parse_status(b"%d %s\n" % (status, text.encode()))
+        known = outcome if outcome in OUTCOMES else None
+        assert line == (status, (Pass(stage, micros, known),), None)
 
 
 def test_the_workers_json_loader_skips_the_empty_object() -> None:

@@ -73,7 +73,10 @@ class Stats:
     def stage(self, name: str, counter: str, n: int = 1) -> None:
         assert counter in STAGE_FIELDS, counter
         if n:
-            self.delta.stages.setdefault(name, Counter())[counter] += n
+            counts = self.delta.stages.get(name)
+            if counts is None:  # not setdefault: a Counter built per call, per message
+                counts = self.delta.stages[name] = Counter()
+            counts[counter] += n
 
     def count(self, counter: str, n: int = 1) -> None:
         assert counter in DISPATCH_FIELDS, counter

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from pepsi.addresses import MAX_TEXT, is_address
 from pepsi.stage import Message
@@ -24,10 +25,13 @@ COLUMNS = (
     "message_id", "sender", "recipients", "header_from", "subject", "content_type",
     "correlation_id", "properties",
 )  # fmt: skip
+# Read in one call, taken before every stage a message runs: a generator of
+# getattr cost 5 µs a message, a fifth of a no-op stage's worker time.
+_CURRENT = operator.attrgetter(*COLUMNS)
+_PROPERTIES = COLUMNS.index("properties")
 
 
-@dataclass(frozen=True)
-class Snapshot:
+class Snapshot(NamedTuple):
     """The metadata and replaced content of a message at one moment."""
 
     values: tuple[Any, ...]  # COLUMNS' values (properties as a deep copy)
@@ -50,16 +54,15 @@ class Edits:
 
 def _current(msg: Message) -> tuple[Any, ...]:
     """COLUMNS' values as the message holds them now (compared deeply, not copied)."""
-    return tuple(getattr(msg, name) for name in COLUMNS)
+    return _CURRENT(msg)
 
 
 def snapshot(msg: Message) -> Snapshot:
     """The message as it is, its properties copied whole: a stage may change a nested
     value (`msg.properties["smtp"]["ret"] = ...`), and that must show as a change."""
-    values = tuple(
-        copy_json(value) if name == "properties" and value else value
-        for name, value in zip(COLUMNS, _current(msg), strict=True)
-    )
+    values = _CURRENT(msg)
+    if values[_PROPERTIES]:
+        values = (*values[:_PROPERTIES], copy_json(values[_PROPERTIES]), *values[_PROPERTIES + 1 :])
     return Snapshot(values, msg._new_header, msg._new_body)
 
 

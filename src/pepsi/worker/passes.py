@@ -68,7 +68,7 @@ class MessagePasses:
         if self.refused and func is None and msg.id in self.refused:
             raise PermanentError(self.refused.pop(msg.id))
         result = (func or self.func)(msg)
-        if inspect.isawaitable(result):
+        if result is not None and inspect.isawaitable(result):  # None: most stages
             if self.loop is None:  # a fused async successor of a sync stage
                 self.loop = asyncio.new_event_loop()
             return self.loop.run_until_complete(result)
