@@ -67,6 +67,9 @@ class StatusLine(NamedTuple):
         return self.status == 0
 
 
+Answer = tuple[int, StatusLine]  # an id and the status line that answered it (in order)
+
+
 def encode_ids(ids: Iterable[int], rows: Mapping[int, bytes] | None = None) -> bytes:
     """Ids for a worker's stdin, written in one buffer; with its row where `rows` has one."""
     if not rows:

@@ -88,7 +88,7 @@ def test_an_answer_is_counted_and_charged_at_its_measured_time() -> None:
     ledger = _ledger(Clock())
     ledger.claimed([Claimed(1, "s", "a")])
     report = (Pass("s", 250_000, "finish"),)
-    assert ledger.answered("s", 1, _status(0, report)) is False
+    assert ledger.answered("s", [(1, _status(0, report))]) is False
     assert ledger.answered_total == 1
     assert ledger.stats.delta.dispatch["stages_executed"] == 1
     assert ledger.stats.delta.stages["s"]["processed"] == 1
@@ -100,7 +100,7 @@ def test_an_answer_is_counted_and_charged_at_its_measured_time() -> None:
 def test_status_74_pauses_the_row_and_is_not_a_pass() -> None:
     clock = Clock(5.0)
     ledger = _ledger(clock)
-    assert ledger.answered("s", 7, _status(EX_IOERR)) is False
+    assert ledger.answered("s", [(7, _status(EX_IOERR))]) is False
     assert [(p.stage, p.wid, p.since) for p in ledger.rows.pauses] == [("s", 7, 5.0)]
     assert "s" not in ledger.stats.delta.stages
     assert ledger.held() == [7]
@@ -108,7 +108,7 @@ def test_status_74_pauses_the_row_and_is_not_a_pass() -> None:
 
 def test_status_75_requeues_and_asks_for_back_pressure() -> None:
     ledger = _ledger(Clock())
-    assert ledger.answered("s", 7, _status(EX_TEMPFAIL)) is True
+    assert ledger.answered("s", [(7, _status(EX_TEMPFAIL))]) is True
     assert ledger.rows.requeues["s"] == [7]
     assert ledger.stats.delta.stages["s"]["requeued"] == 1
     assert "processed" not in ledger.stats.delta.stages["s"]
@@ -234,7 +234,7 @@ def _worker(
         ["true"],
         {},
         on_ready=supervisor.on_ready,
-        on_status=supervisor.on_status,
+        on_statuses=supervisor.on_statuses,
         on_answers=supervisor.on_answers,
         on_exit=supervisor.on_exit,
         kill_grace=2.0,
@@ -336,7 +336,7 @@ def test_a_75_halves_the_busiest_stage_at_the_next_tend() -> None:
     clock = Clock(0.0)
     supervisor, _ = _supervisor(clock, parallelism=4)
     workers = [_worker(supervisor, key, [key * 10]) for key in range(1, 5)]
-    supervisor.on_status(workers[0], 10, _status(EX_TEMPFAIL))
+    supervisor.on_statuses(workers[0], [(10, _status(EX_TEMPFAIL))])
     assert supervisor.tempfail_from == "s"
 
     async def tend() -> None:
@@ -356,9 +356,10 @@ def test_an_answer_that_settled_its_message_wakes_without_news() -> None:
     stay out of the next claim; an advance (or a line without a report) is news."""
     supervisor, woken = _supervisor(Clock(0.0))
     worker = _worker(supervisor, 1, [10, 11, 12])
-    supervisor.on_status(worker, 10, StatusLine(0, (Pass("s", 5, "finish"),)))
-    supervisor.on_status(worker, 11, StatusLine(0, (Pass("s", 5, "advance"),)))
-    supervisor.on_status(worker, 12, StatusLine(0))
+    finished = (10, StatusLine(0, (Pass("s", 5, "finish"),)))
+    supervisor.on_statuses(worker, [finished, (11, StatusLine(0, (Pass("s", 5, "retry"),)))])
+    supervisor.on_statuses(worker, [finished, (11, StatusLine(0, (Pass("s", 5, "advance"),)))])
+    supervisor.on_statuses(worker, [(12, StatusLine(0))])
     assert woken == ["worker (no news)", "worker", "worker"]
 
 

@@ -20,7 +20,7 @@ from pepsi.dispatch.policy.fairness import FairShare
 from pepsi.dispatch.rows import RowWriter
 from pepsi.dispatch.stats import Stats
 from pepsi.errors import EX_IOERR, EX_TEMPFAIL
-from pepsi.protocol import StatusLine
+from pepsi.protocol import Answer
 
 log = logging.getLogger("pepsi.dispatch")
 
@@ -89,23 +89,34 @@ class InFlight:
             for wid in ids:
                 ledger.report(wid, None)
 
-    def answered(self, stage: str, wid: int, status: StatusLine) -> bool:
-        """A worker's status line for `wid`; True if it said 75 (W-5: back-pressure)."""
-        self.answered_total += 1
-        if self.fair is not None:
-            micros = sum(p.micros for p in status.report) if status.report else None
-            self.fair.ledger(stage).report(wid, None if micros is None else micros / 1_000_000)
-        self.stats.count("stages_executed")
-        if status.status not in (EX_IOERR, EX_TEMPFAIL):  # those were not processed
-            self.stats.passes(stage, status.ok, status.report)
-        if status.status == EX_IOERR:  # W-4: the worker lost the database
-            self.rows.pause_db(stage, wid, self.clock())
-        elif status.status == EX_TEMPFAIL:  # W-5: connection limit exhausted
-            self.requeue(stage, [wid])
-            return True
-        elif not status.ok:
-            log.info("stage %s: message %d ended with status %d", stage, wid, status.status)
-        return False
+    def answered(self, stage: str, answers: Iterable[Answer]) -> bool:
+        """Its worker's status lines for these ids; True if one said 75 (W-5:
+        back-pressure). Handed over a read at a time: one call, not one per message."""
+        tempfail = False
+        fair = None if self.fair is None else self.fair.ledger(stage)
+        n = 0
+        for wid, status in answers:
+            n += 1
+            report = status.report
+            if fair is not None:
+                if report is None:
+                    fair.report(wid, None)
+                else:
+                    micros = report[0].micros if len(report) == 1 else sum(p.micros for p in report)
+                    fair.report(wid, micros / 1_000_000)
+            code = status.status
+            if code == EX_IOERR:  # W-4: the worker lost the database; not a pass
+                self.rows.pause_db(stage, wid, self.clock())
+            elif code == EX_TEMPFAIL:  # W-5: connection limit exhausted; not a pass
+                self.requeue(stage, [wid])
+                tempfail = True
+            else:
+                self.stats.passes(stage, code == 0, report)
+                if code != 0:
+                    log.info("stage %s: message %d ended with status %d", stage, wid, code)
+        self.answered_total += n
+        self.stats.count("stages_executed", n)
+        return tempfail
 
     def struck(self, stage: str, wid: int, kind: str, reason: str, max_runtime: float) -> None:
         """Its worker crashed or hung holding it (W-6): a strike, and the charge for it.

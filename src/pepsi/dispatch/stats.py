@@ -73,10 +73,13 @@ class Stats:
     def stage(self, name: str, counter: str, n: int = 1) -> None:
         assert counter in STAGE_FIELDS, counter
         if n:
-            counts = self.delta.stages.get(name)
-            if counts is None:  # not setdefault: a Counter built per call, per message
-                counts = self.delta.stages[name] = Counter()
-            counts[counter] += n
+            self._counts(name)[counter] += n
+
+    def _counts(self, stage: str) -> Counter[str]:
+        counts = self.delta.stages.get(stage)
+        if counts is None:  # not setdefault: a Counter built per call, per message
+            counts = self.delta.stages[stage] = Counter()
+        return counts
 
     def count(self, counter: str, n: int = 1) -> None:
         assert counter in DISPATCH_FIELDS, counter
@@ -93,6 +96,15 @@ class Stats:
         """
         if not report:
             self.stage(stage, "processed" if ok else "failed")
+            return
+        if ok and len(report) == 1:  # the common line: one stage, done, counted at once
+            entry = report[0]
+            counts = self._counts(entry.stage)
+            counts["busy_us"] += entry.micros
+            counts["processed"] += 1
+            counter = OUTCOME_COUNTERS.get(entry.outcome or "")
+            if counter:
+                counts[counter] += 1
             return
         for position, entry in enumerate(report, start=1):
             self.stage(entry.stage, "busy_us", entry.micros)

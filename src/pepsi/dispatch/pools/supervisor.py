@@ -25,7 +25,7 @@ from pepsi.dispatch.pools.pool import PoolOptions, StagePool, worker_argv
 from pepsi.dispatch.pools.workers import WorkerProcess
 from pepsi.dispatch.stats import Stats
 from pepsi.durations import format_seconds
-from pepsi.protocol import StatusLine
+from pepsi.protocol import Answer
 
 log = logging.getLogger("pepsi.dispatch")
 
@@ -153,7 +153,7 @@ class PoolSupervisor:
             argv,
             env,
             on_ready=self.on_ready,
-            on_status=self.on_status,
+            on_statuses=self.on_statuses,
             on_answers=self.on_answers,
             on_exit=self.on_exit,
             clock=self.clock,
@@ -311,15 +311,17 @@ class PoolSupervisor:
         self._pool(worker.stage).start_delays = None  # it reached the database: backoff over
         self.wake("worker")  # the stage may start its next worker
 
-    def on_status(self, worker: WorkerProcess, wid: int, status: StatusLine) -> None:
-        if status.report_error:
-            log.warning(
-                "stage %s: worker pid %s: %s", worker.stage, worker.pid, status.report_error
-            )
-        if self.ledger.answered(worker.stage, wid, status):
+    def on_statuses(self, worker: WorkerProcess, answers: list[Answer]) -> None:
+        """The status lines of one read of a worker's answers, in order."""
+        for _, status in answers:
+            if status.report_error:
+                log.warning(
+                    "stage %s: worker pid %s: %s", worker.stage, worker.pid, status.report_error
+                )
+        if self.ledger.answered(worker.stage, answers):
             self.tempfail_from = worker.stage  # one halving per cycle, not per id
         # a message finished, paused or failed is no news for a stage found empty
-        self.wake("worker", news=answer_is_news(status))
+        self.wake("worker", news=any(answer_is_news(status) for _, status in answers))
 
     def on_answers(self, worker: WorkerProcess, seconds_each: float) -> None:
         """A read of its answers: the stage's pace, which sizes its window (P-6)."""

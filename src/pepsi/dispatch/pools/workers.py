@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pepsi.dispatch.policy.decisions import Exit, WorkerFacts
 from pepsi.dispatch.policy.pools import WorkerLoad, room_for
 from pepsi.protocol import (
+    Answer,
     ProtocolError,
-    StatusLine,
     encode_ids,
     is_ready,
     parse_status,
@@ -47,7 +47,7 @@ class WorkerProcess:
         env: dict[str, str],
         *,
         on_ready: Callable[[WorkerProcess], None],
-        on_status: Callable[[WorkerProcess, int, StatusLine], None],
+        on_statuses: Callable[[WorkerProcess, list[Answer]], None],
         on_answers: Callable[[WorkerProcess, float], None],
         on_exit: Callable[[WorkerProcess, Exit], None],
         kill_grace: float,  # WORKER_KILL_GRACE
@@ -74,7 +74,7 @@ class WorkerProcess:
         self._answer_seconds = 0.0  # of the answers in the chunk being read
         self._answers = 0
         self._on_ready = on_ready
-        self._on_status = on_status
+        self._on_statuses = on_statuses
         self._on_answers = on_answers
         self._on_exit = on_exit
         self._proc: asyncio.subprocess.Process | None = None
@@ -193,13 +193,12 @@ class WorkerProcess:
                 *lines, pending = (pending + chunk).split(b"\n")
                 if len(pending) > MAX_LINE:
                     raise ProtocolError("status line too long")
-                for line in lines:
-                    self._line(line)
+                self._lines(lines)
                 if self._answers:  # the pace of what this read answered
                     self._on_answers(self, self._answer_seconds / self._answers)
                     self._answer_seconds, self._answers = 0.0, 0
             if pending:
-                self._line(pending)  # a last line without its newline
+                self._lines([pending])  # a last line without its newline
         except ProtocolError as exc:
             self.garbled = self.ready and bool(self.inflight)
             self.kill(str(exc))
@@ -210,10 +209,22 @@ class WorkerProcess:
                 await asyncio.wait_for(self._stderr_task, 2.0)
         self._finish(returncode)
 
-    def _line(self, line: bytes) -> None:
-        if self.ready:
-            self._status(line)
-        elif is_ready(line):
+    def _lines(self, lines: list[bytes]) -> None:
+        """A read's lines, its answers handed over at once (one wakeup, one count each):
+        those read before an unreadable line too, before the worker is torn down."""
+        answers: list[Answer] = []
+        try:
+            for line in lines:
+                if self.ready:
+                    answers.append(self._status(line))
+                else:
+                    self._ready_line(line)
+        finally:
+            if answers:
+                self._on_statuses(self, answers)
+
+    def _ready_line(self, line: bytes) -> None:
+        if is_ready(line):
             self.ready = True
             self.takes_rows = takes_rows(line)
             if self.inflight:  # MAX_RUNTIME counts from here, not from spawn
@@ -222,7 +233,7 @@ class WorkerProcess:
         else:
             raise ProtocolError(f"expected 'ready', got {line[:80]!r}")
 
-    def _status(self, line: bytes) -> None:
+    def _status(self, line: bytes) -> Answer:
         status = parse_status(line)  # ProtocolError: unreadable, tear down
         if not self.inflight:
             raise ProtocolError(f"status line with no message outstanding: {line[:80]!r}")
@@ -236,7 +247,7 @@ class WorkerProcess:
         if not self.inflight:
             self.idle_since = now
             self.solo = False
-        self._on_status(self, wid, status)
+        return wid, status
 
     def _finish(self, returncode: int) -> None:
         if self._failure:
