@@ -197,6 +197,7 @@ class StageRunner(MessagePasses):
         batch = Batch()
         spent: dict[int, int] = {}
         traced = self.sink.enabled
+        each = self.answer_each
         for wid in ids:
             segment.append(wid)
             msg = messages.get(wid)
@@ -208,7 +209,7 @@ class StageRunner(MessagePasses):
                     self._run_one(msg, batch)
                 spent[wid] = time.perf_counter_ns() - t0
             now = time.perf_counter_ns()
-            if self.answer_each or now - started >= FLUSH_AFTER_NS or wid == ids[-1]:
+            if each or now - started >= FLUSH_AFTER_NS or wid == ids[-1]:
                 self._write(batch)
                 yield self._lines(segment, batch, spent, started), len(segment)
                 segment, batch, spent = [], Batch(), {}
