@@ -29,6 +29,12 @@ Conn = psycopg.Connection[tuple[Any, ...]]
 # larger one on its own, when the stage first reads it. A batch of QUEUE_LIMIT
 # messages so holds at most QUEUE_LIMIT x 2 x INLINE bytes of content.
 INLINE = 256 * 1024
+# Message's first fields, in the order `_message` passes them.
+FIELD_ORDER = (
+    "id", "stage", "arrived", "options", "message_id", "sender", "recipients", "origin_user",
+    "origin_peer", "header_from", "subject", "content_type", "correlation_id", "properties",
+    "state", "sender_key", "_header", "_body", "_loader", "_token",
+)  # fmt: skip
 
 
 @dataclass
@@ -113,27 +119,14 @@ class MessageLoader:
         (wid, stage, arrived, message_id, sender, recipients, user, peer, header_from,
          subject, content_type, correlation_id, properties, state, sender_key, body_id,
          header, body, deferred) = row[:19]  # fmt: skip
+        # Positionally, in Message's field order (FIELD_ORDER, held by a test): its
+        # dataclass __init__ takes 1.5 µs by keyword, 0.45 so, once per message.
         msg = Message(
-            id=wid,
-            stage=stage,
-            arrived=arrived,
-            options=self.stage,
-            message_id=message_id,
-            sender=sender,
-            recipients=tuple(recipients or ()),
-            origin_user=user,
-            origin_peer=peer,
-            header_from=header_from,
-            subject=subject,
-            content_type=content_type,
-            correlation_id=correlation_id,
-            properties=dict(properties or {}),
-            state=dict(state or {}),
-            sender_key=sender_key,
-            _header=header,
-            _body=body,
-            _token=row[-1],  # the claim token (xmin), last in both load queries
-        )
+            wid, stage, arrived, self.stage, message_id, sender, tuple(recipients or ()),
+            user, peer, header_from, subject, content_type, correlation_id,
+            dict(properties or {}), dict(state or {}), sender_key, header, body,
+            None, row[-1],  # no loader yet; the claim token (xmin), last in both load queries
+        )  # fmt: skip
         if body_id is not None and (self.needs is not Needs.BODY or deferred):
             keep = header is not None and self.needs is not Needs.METADATA
             msg._loader = body_loader(conn, body_id, keep_header=keep)
