@@ -174,6 +174,7 @@ def lineup(workload: str, shared: Shared, args: argparse.Namespace) -> list[Cont
     if workload == "latency":
         return [
             Pepsi(shared, "Pepsi", Pepsi.config_text(handler="stamp")),
+            Pepsi(shared, "Pepsi FIFO", Pepsi.config_text(fair=False, handler="stamp")),
             PgQueuer(shared, 1),
             Procrastinate(shared, conc),
             RabbitMQ(shared),
