@@ -150,20 +150,13 @@ def format_status(status: int, report: Sequence[Pass] | None = None) -> bytes:
     """A status line written by a worker."""
     if report is None:
         return b"%d\n" % status
-    if len(report) == 1:  # one stage: the line of nearly every pass
-        stage, micros, outcome = report[0]
-        return b"%d [[%s,%d%s]]\n" % (
-            status,
-            _json_text(stage),
-            micros,
-            b"," + _json_text(outcome) if outcome else b"",
-        )
-    entries = b",".join(
-        b"[%s,%d%s]"
-        % (_json_text(p.stage), p.micros, b"," + _json_text(p.outcome) if p.outcome else b"")
-        for p in report
-    )
-    return b"%d [%s]\n" % (status, entries)
+    return b"%d [%s]\n" % (status, b",".join(map(_entry, report)))
+
+
+def _entry(p: Pass) -> bytes:
+    """One stage's entry of a report: [stage, microseconds(, outcome)]."""
+    outcome = b"," + _json_text(p.outcome) if p.outcome else b""
+    return b"[%s,%d%s]" % (_json_text(p.stage), p.micros, outcome)
 
 
 @functools.cache

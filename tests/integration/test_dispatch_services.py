@@ -471,6 +471,7 @@ def test_a_row_put_back_to_pending_is_claimed_though_its_stage_was_drained(
             deadline = time.monotonic() + 30
             while worker.inflight and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)  # the worker answers on its own
+            assert not worker.inflight, "the worker did not answer within 30 s"
             await dispatcher.cycle()  # its answers settled: nothing to claim
             before = dispatcher.claimer.statements
             (wid,) = insert(conn, "a", ["z"], "running")

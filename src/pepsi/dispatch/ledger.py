@@ -102,8 +102,7 @@ class InFlight:
                 if report is None:
                     fair.report(wid, None)
                 else:
-                    micros = report[0].micros if len(report) == 1 else sum(p.micros for p in report)
-                    fair.report(wid, micros / 1_000_000)
+                    fair.report(wid, sum(p.micros for p in report) / 1_000_000)
             code = status.status
             if code == EX_IOERR:  # W-4: the worker lost the database; not a pass
                 self.rows.pause_db(stage, wid, self.clock())

@@ -97,22 +97,14 @@ class Stats:
         if not report:
             self.stage(stage, "processed" if ok else "failed")
             return
-        if ok and len(report) == 1:  # the common line: one stage, done, counted at once
-            entry = report[0]
+        for position, entry in enumerate(report, start=1):
             counts = self._counts(entry.stage)
             counts["busy_us"] += entry.micros
-            counts["processed"] += 1
-            counter = OUTCOME_COUNTERS.get(entry.outcome or "")
-            if counter:
-                counts[counter] += 1
-            return
-        for position, entry in enumerate(report, start=1):
-            self.stage(entry.stage, "busy_us", entry.micros)
             last_failed = not ok and position == len(report)
-            self.stage(entry.stage, "failed" if last_failed else "processed")
+            counts["failed" if last_failed else "processed"] += 1
             counter = OUTCOME_COUNTERS.get(entry.outcome or "")
             if counter and not last_failed:
-                self.stage(entry.stage, counter)
+                counts[counter] += 1
 
     def __bool__(self) -> bool:
         """Whether a flush is due: anything counted but wakeups."""
