@@ -12,7 +12,13 @@ from psycopg.types.json import Jsonb
 from pepsi.db.queries import query
 from pepsi.dispatch.policy.fairness import rank
 
-NO_ROWS = {"rows_for": [], "rows_max": 0, "drain_for": []}  # rows for workers: none
+NO_ROWS = {
+    "rows_for": [],
+    "rows_max": 0,
+    "drain_for": [],
+    "amqp_for": [],
+    "amqp_bytes": 0,
+}  # rows for workers and AMQP consumers: none
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 

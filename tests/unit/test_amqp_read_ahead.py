@@ -258,9 +258,9 @@ def test_rows_claimed_after_stale_ones_of_one_load_go_back_after_them() -> None:
     deliverer, _, _, consumer = deliverer_with_consumer(prefetch=10)
     deliverer._settle_soon = lambda: None  # type: ignore[method-assign]  # no database here
     deliverer._start = lambda: None  # type: ignore[method-assign]
-    deliverer.deliver([(1, STAGE)])  # claimed at epoch 0
+    deliverer.deliver([(1, STAGE, None)])  # claimed at epoch 0
     deliverer.unsent(STAGE, [0])  # a message goes back: epoch 1
-    deliverer.deliver([(2, STAGE)])  # claimed at epoch 1, loaded with the first
+    deliverer.deliver([(2, STAGE, None)])  # claimed at epoch 1, loaded with the first
     claimed, deliverer._claimed = deliverer._claimed, []
     rows = {wid: (wid, "", "q", None, None, None, None, None, b"", b"b", None) for wid in (1, 2)}
     assert deliverer._load(claimed, rows) == set()

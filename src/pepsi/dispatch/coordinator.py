@@ -272,7 +272,7 @@ class Dispatcher(Endpoints):
             if broker is not None:
                 amqp = [row for row in claimed if row.stage.startswith(AMQP_STAGE_PREFIX)]
                 if amqp:
-                    broker.deliverer.deliver((row.wid, row.stage) for row in amqp)
+                    broker.deliverer.deliver((row.wid, row.stage, row.delivery) for row in amqp)
                     claimed = [
                         row for row in claimed if not row.stage.startswith(AMQP_STAGE_PREFIX)
                     ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from pepsi.dispatch.policy.fairness import FairShare
 from pepsi.dispatch.rows import RowWriter
@@ -32,6 +32,7 @@ class Claimed(NamedTuple):
     stage: str
     sender: str | None = None  # known to the fair claim only
     row: bytes | None = None  # the row itself, for a worker that takes rows (small claims)
+    delivery: tuple[Any, ...] | None = None  # an AMQP row as basic.deliver sends it (same)
 
 
 class InFlight:

@@ -23,9 +23,12 @@ counts as ready messages, and only a claim that found nothing marks them.
 A claim of at most ROWS_MAX rows also returns the rows themselves for the
 stages whose workers take them (`rows_for`: metadata-only stages of Pepsi's
 own worker, docs/protocol.md): those workers run them without a load of
-their own, one statement fewer on an idle message's way. A larger claim (a
-backlog draining) returns ids only: the rows' JSON would be built in the one
-claim statement instead of in the workers' loads, side by side.
+their own, one statement fewer on an idle message's way. Likewise for AMQP
+queues: what basic.deliver sends of each row (`Claimed.delivery`, header and
+body up to DELIVERY_BYTES), so that the read-ahead skips its load. A larger
+claim (a backlog draining) returns ids only: the rows would be built in the one
+claim statement instead of in the loads, side by side. The claim's answer is
+read in binary (the AMQP rows are records, and their bodies bytes).
 
 The arguments go as array literals that the statement casts (see
 `pepsi.db.queries`).
@@ -49,6 +52,7 @@ AConn = psycopg.AsyncConnection[tuple[Any, ...]]
 MAX_SENDERS = 64  # pending senders a fair claim looks at per stage, from its window's start
 ROWS_MAX = 32  # a claim of at most this many rows hands them to the workers that take rows
 ROW_LIMIT = 60_000  # bytes: a longer row goes as its id (the worker loads it)
+DELIVERY_BYTES = 65_536  # header and body of an AMQP row a claim returns; larger: loaded
 
 
 class Claimer:
@@ -75,10 +79,13 @@ class Claimer:
         commit = self.commit(capacities)
         rows_for = [stage for stage in rows_for if stage in capacities]
         drain_for = [s for s in capacities if not s.startswith(AMQP_STAGE_PREFIX)]
+        amqp_for = [s for s in capacities if s.startswith(AMQP_STAGE_PREFIX)]
         rows = {
             "rows_for": text_array(rows_for),
-            "rows_max": ROWS_MAX if rows_for else 0,
+            "rows_max": ROWS_MAX if rows_for or amqp_for else 0,
             "drain_for": text_array(drain_for),
+            "amqp_for": text_array(amqp_for),
+            "amqp_bytes": DELIVERY_BYTES,
         }
         if self.fair is None:
             cur = await conn.execute(
@@ -89,16 +96,18 @@ class Claimer:
                     "commit": commit,
                     **rows,
                 },
+                binary=True,
             )
             found = await cur.fetchall()
             if found:
                 self.drained = frozenset(found[0][4] or ())
-            if any(priority for _, _, priority, _, _ in found):  # highest first, then oldest
+            if any(row[2] for row in found):  # highest first, then oldest
                 found.sort(key=lambda row: (-row[2], row[0]))
             else:
                 found.sort()  # by id (unique): the oldest first (a sort in SQL cost 5 % of a drain)
             return [
-                Claimed(int(wid), str(stage), None, _text(row)) for wid, stage, _, row, _ in found
+                Claimed(int(wid), str(stage), None, _text(row), delivery)
+                for wid, stage, _, row, _, delivery in found
             ]
         return await self._fair(conn, self.fair, capacities, commit, rows)
 
@@ -131,17 +140,21 @@ class Claimer:
                     "commit": commit,
                     **rows,
                 },
+                binary=True,
             )
         ).fetchone()
         assert row is not None
-        ids, stages, senders, starts, payloads, drained = row
+        ids, stages, senders, starts, payloads, drained, deliveries = row
         self.drained = frozenset(drained or ())
         for stage, start in zip(params["stages"], starts, strict=True):
             fair.window[str(stage)] = str(start)  # where the next claim's senders start
         return [
-            Claimed(int(wid), str(stage), str(sender), _row(payloads, i))
+            Claimed(
+                int(wid), str(stage), str(sender), _row(payloads, i),
+                None if deliveries is None else deliveries[i],
+            )
             for i, (wid, stage, sender) in enumerate(zip(ids, stages, senders, strict=True))
-        ]
+        ]  # fmt: skip
 
 
 def _row(payloads: list[str | None] | None, i: int) -> bytes | None:

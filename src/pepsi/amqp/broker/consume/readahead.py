@@ -51,15 +51,32 @@ class ReadAhead(DelivererState):
                 caps[stage] = target - have
         return caps
 
-    def deliver(self, rows: Iterable[tuple[int, str]]) -> None:
-        """Claimed (id, stage) rows: loaded into their stage's read-ahead, then sent."""
-        claimed = [(wid, stage, self._epoch.get(stage, 0)) for wid, stage in rows]
-        for _, stage, _ in claimed:
+    def deliver(self, rows: Iterable[tuple[int, str, Sequence[Any] | None]]) -> None:
+        """Claimed (id, stage, row) rows into their stage's read-ahead, then sent. A small
+        claim brings each row as `amqp_delivery_load` reads it: when every one came and
+        no load is under way (that would hold older rows), they go in at once, a
+        statement fewer; else the fetch task loads them, in claim order."""
+        claimed: list[tuple[int, str, int]] = []
+        loaded: dict[int, Sequence[Any]] = {}
+        for wid, stage, row in rows:
+            claimed.append((wid, stage, self._epoch.get(stage, 0)))
             self._loading[stage] = self._loading.get(stage, 0) + 1
+            if row is not None:
+                loaded[wid] = row
+        if not claimed:
+            return
+        if len(loaded) == len(claimed) and not self._loads_pending():
+            self.loaded_with_claim += len(claimed)
+            for stage in self._load(claimed, loaded):
+                self.pump(stage)
+            return
         self._claimed += claimed
-        if self._claimed:
-            self._start()
-            self._fetch_wake.set()
+        self._start()
+        self._fetch_wake.set()
+
+    def _loads_pending(self) -> bool:
+        """Whether claimed rows wait for the fetch task or are in its load."""
+        return bool(self._claimed or self._in_fetch or self._in_fetch_rest)
 
     # ---- the read-ahead as ready messages ------------------------------------------------
 

@@ -107,6 +107,7 @@ class DelivererState:
         self.books: set[ChannelBook] = set()  # every open channel's book
         self.dead_letter_route: DeadLetterRoute | None = None
         self.delivered = 0  # messages sent (tests, the benchmark)
+        self.loaded_with_claim = 0  # rows the claim brought loaded: no load of their own
         self.ready: dict[str, deque[Fetched]] = {}  # stage -> read ahead, not yet sent
         self._ready_bytes: dict[str, int] = {}
         self._claimed: list[tuple[int, str, int]] = []  # (id, stage, epoch) to be loaded
