@@ -17,8 +17,8 @@ returns, a timer or the poll tick, a reconnection), which counts for every stage
 A worker's split of a message and the messages it makes (delivery status
 notifications) are pending rows too: their statements NOTIFY. A claim that found
 nothing counts, and so does a stage the claim took rows of and left without a
-pending one (`drained`, probed in the claim's statement after the claim: worker
-stages only); otherwise a claim that found some says nothing about the rest (a
+pending one (`drained`, probed in the claim's statement after the claim);
+otherwise a claim that found some says nothing about the rest (a
 fair claim may leave rows of a crowded stage for the next one). News that comes
 while a claim runs counts against what that claim found. Pure: the dispatcher
 says what happened.

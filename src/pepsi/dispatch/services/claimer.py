@@ -14,11 +14,12 @@ the workers' outcomes do (WORKER_SYNCHRONOUS_COMMIT = yes: no re-run from a
 failover) and when an AMQP queue takes part: a delivery must not come back
 unmarked as redelivered.
 
-A claim also says which stages served by workers it left without a pending row
-(`drained`, a probe after the claim in its statement): the dispatcher then
-skips them until news comes, rather than claim again after each answer and
-find nothing (`policy.known_empty`). AMQP queues are left out: their read-ahead
-counts as ready messages, and only a claim that found nothing marks them.
+A claim also says which stages it left without a pending row (`drained`, a
+probe after the claim in its statement): the dispatcher then skips them until
+news comes, rather than claim again after each answer or freed credit and find
+nothing (`policy.known_empty`), and an AMQP queue's `queue.declare` counts its
+pending rows without a query (Celery's client declares its reply queue before
+every task, and a claim has just taken the result that came).
 
 A claim of at most ROWS_MAX rows also returns the rows themselves for the
 stages whose workers take them (`rows_for`: metadata-only stages of Pepsi's
@@ -78,7 +79,7 @@ class Claimer:
         self.statements += 1
         commit = self.commit(capacities)
         rows_for = [stage for stage in rows_for if stage in capacities]
-        drain_for = [s for s in capacities if not s.startswith(AMQP_STAGE_PREFIX)]
+        drain_for = list(capacities)
         amqp_for = [s for s in capacities if s.startswith(AMQP_STAGE_PREFIX)]
         rows = {
             "rows_for": text_array(rows_for),
