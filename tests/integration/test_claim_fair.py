@@ -11,14 +11,7 @@ from psycopg.types.json import Jsonb
 
 from pepsi.db.queries import query
 from pepsi.dispatch.policy.fairness import rank
-
-NO_ROWS = {
-    "rows_for": [],
-    "rows_max": 0,
-    "drain_for": [],
-    "amqp_for": [],
-    "amqp_bytes": 0,
-}  # rows for workers and AMQP consumers: none
+from tests.rows import NO_ROWS
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 

@@ -17,14 +17,7 @@ import pytest
 
 from pepsi.db.queries import query
 from tests.conftest import TEMPLATE, _fresh
-
-NO_ROWS = {
-    "rows_for": [],
-    "rows_max": 0,
-    "drain_for": [],
-    "amqp_for": [],
-    "amqp_bytes": 0,
-}  # rows for workers and AMQP consumers: none
+from tests.rows import NO_ROWS
 
 Conn = psycopg.Connection[tuple[Any, ...]]
 FIFO = {"stages": ["big", "small", "empty"], "caps": [16, 16, 16], "commit": None, **NO_ROWS}
