@@ -486,3 +486,47 @@ def test_a_row_put_back_to_pending_is_claimed_though_its_stage_was_drained(
     assert drained
     assert claims == 1  # the requeue was news for `a`
     assert statuses(conn).get(wid) != "pending"  # claimed again (and perhaps run)
+
+
+def test_a_paused_row_that_falls_due_is_claimed_though_its_stage_was_drained(
+    dsn: str, conn: Conn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweeper's resuming of a due row is news for the claim in the same cycle,
+    whatever woke the loop (here: none, the cycle is run by hand), or the row would
+    wait for the next poll tick behind a stage marked empty."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    conf = tmp_path / "pepsi.conf"
+    conf.write_text("[stage-a]\nHANDLER = tests.stages:noop\n")
+    insert(conn, "a", ["x"])
+
+    async def main() -> tuple[bool, int, int]:
+        dispatcher = Dispatcher(load_config(conf), dsn)
+        await dispatcher.session.open()
+        try:
+            await dispatcher.session.start_checks(["a"])
+            await dispatcher.cycle()  # claims it: the stage is drained
+            drained = dispatcher.known_empty.empty("a")
+            (worker,) = dispatcher.supervisor.pools["a"].workers.values()
+            deadline = time.monotonic() + 30
+            while worker.inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)  # the worker answers on its own
+            assert not worker.inflight, "the worker did not answer within 30 s"
+            await dispatcher.cycle()  # its answer settled: nothing to claim
+            (wid,) = insert(conn, "a", ["z"], "paused")
+            conn.execute(
+                "UPDATE pepsi.workqueue SET timeout = now() - interval '1 second'"
+                " WHERE workqueue_id = %s",
+                (wid,),
+            )
+            dispatcher.sweeper.due_in(0)  # as a worker's pause outcome tells it
+            before = dispatcher.claimer.statements
+            await dispatcher.cycle()
+            return drained, dispatcher.claimer.statements - before, wid
+        finally:
+            await dispatcher.supervisor.shutdown()
+            await dispatcher.session.close()
+
+    drained, claims, wid = asyncio.run(main())
+    assert drained
+    assert claims == 1  # resumed, and claimed in the same cycle
+    assert statuses(conn).get(wid) not in ("paused", "pending")

@@ -258,7 +258,8 @@ class Dispatcher(Endpoints):
             soonest = await self.rows.flush(conn, self.clock())
             if soonest is not None:
                 self.sweeper.due_in(soonest)
-        await self.sweeper.run_once(conn)
+        if await self.sweeper.run_once(conn):
+            self.known_empty.heard()  # rows made pending here, whatever woke the loop
         await self.supervisor.isolate()
         capacities = self.supervisor.capacities()
         broker = self.amqp_broker

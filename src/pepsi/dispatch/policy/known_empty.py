@@ -13,7 +13,8 @@ A stage whose claim returned no row is known empty until news may have made a ro
 pending there: the AMQP listener's commit of a publish to it, or any other wakeup
 but freed credit and a worker's answer that made no row pending (a NOTIFY, an
 answer that advanced its message or that this build cannot read, a settle's
-returns, a timer or the poll tick, a reconnection), which counts for every stage.
+returns, a timer or the poll tick, a reconnection, the sweeper's resuming or
+dead-lettering of rows), which counts for every stage.
 A worker's split of a message and the messages it makes (delivery status
 notifications) are pending rows too: their statements NOTIFY. A claim that found
 nothing counts, and so does a stage the claim took rows of and left without a

@@ -65,18 +65,23 @@ class Sweeper:
     def deadlines(self) -> list[float]:
         return [self.next_poll] if self.next_due is None else [self.next_poll, self.next_due]
 
-    async def run_once(self, conn: AConn) -> None:
-        """Whatever is due now: the paused and TTL sweeps, the housekeeping."""
+    async def run_once(self, conn: AConn) -> bool:
+        """Whatever is due now: the paused and TTL sweeps, the housekeeping. Whether
+        rows may have become pending (resumed, or dead-lettered to a stage): news for
+        the claim, whatever woke the loop (`policy.known_empty`)."""
         now = self.clock()
+        made_pending = 0
         if now >= self.next_poll or (self.next_due is not None and now >= self.next_due):
-            await self.resume_due(conn)
-            await self.expire(conn)
+            made_pending += await self.resume_due(conn)
+            made_pending += await self.expire(conn)
             self.next_poll = now + self.options.poll_interval
         if now >= self.next_housekeeping:
             await self.housekeeping(conn)
             self.next_housekeeping = now + self.options.housekeeping_interval
+        return made_pending > 0
 
-    async def resume_due(self, conn: AConn) -> None:
+    async def resume_due(self, conn: AConn) -> int:
+        """Paused rows that are due made pending again; how many."""
         row = await (await conn.execute(query("workqueue_resume_due"))).fetchone()
         assert row is not None
         resumed, next_due_in = int(row[0]), row[1]
@@ -86,9 +91,11 @@ class Sweeper:
         self.next_due = None
         if next_due_in is not None:
             self.due_in(float(next_due_in))
+        return resumed
 
-    async def expire(self, conn: AConn) -> None:
-        """R-10: the TTL sweep, on the poll tick rather than in every claim."""
+    async def expire(self, conn: AConn) -> int:
+        """R-10: the TTL sweep, on the poll tick rather than in every claim; how many
+        rows it dead-lettered."""
         stages = self.options.stages
         row = await (
             await conn.execute(
@@ -103,6 +110,8 @@ class Sweeper:
         ).fetchone()
         if row and row[0]:
             log.warning("dead-lettered %d expired messages (TTL)", row[0])
+            return int(row[0])
+        return 0
 
     async def housekeeping(self, conn: AConn) -> None:
         """Sweep the dedup window and a slice of orphaned bodies."""
