@@ -315,6 +315,7 @@ SELECT pepsi.workqueue_bounce_failed(%(stages)s::text[], %(sink)s, %(max_rows)s)
 -- workqueue_claim_fifo (the AMQP rows: a record, or NULL, per id).
 SELECT c.ids, c.id_stages, c.id_senders, c.next_starts,
        CASE WHEN cardinality(c.ids) BETWEEN 1 AND %(rows_max)s
+                 AND cardinality(%(rows_for)s::text[]) > 0
             THEN pepsi.workqueue_claimed_rows(c.ids, %(rows_for)s::text[]) END,
        CASE WHEN cardinality(c.ids) > 0 AND cardinality(%(drain_for)s::text[]) > 0
             THEN pepsi.workqueue_stages_drained(c.id_stages, %(drain_for)s::text[]) END,
