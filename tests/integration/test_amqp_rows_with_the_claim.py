@@ -11,7 +11,10 @@ import pika
 import psycopg
 import pytest
 from pika.spec import BasicProperties
+from psycopg.types.json import Jsonb
 
+from pepsi.amqp.broker.consume.state import id_array
+from pepsi.db.queries import query
 from pepsi.dispatch.services.claimer import DELIVERY_BYTES
 from tests.integration.amqp_dispatcher import DispatcherThread, connect, rows
 from tests.scenarios.conftest import wait_until
@@ -84,3 +87,61 @@ def test_small_rows_come_with_the_claim_and_a_large_one_is_loaded(
     assert server.run(lambda: deliverer.loaded_with_claim) == 5
     wait_until(lambda: rows(conn, QUEUE) == {}, what="every ack written")
     connection.close()
+
+
+def test_the_claims_record_reads_what_the_load_reads(conn: Conn) -> None:
+    """pepsi.amqp_claimed_delivery writes out amqp_delivery_load's columns: the two read
+    the same row alike (a first delivery, a redelivery with x-death and an expiry, a
+    message a pipeline stage sent, one without a body); a row too large for the claim,
+    or no longer running, is NULL (loaded as before, or gone)."""
+    stage = "amqp:/:q"
+    found = conn.execute(
+        "INSERT INTO pepsi.workqueue_body (header, body) VALUES (%s, %s) RETURNING body_id",
+        (b"\x00\x00", b"hello"),
+    ).fetchone()
+    assert found is not None
+    body_id = found[0]
+    rows = [
+        ({"exchange": "ex", "routing_key": "rk"}, {}, None, body_id),
+        (
+            {"exchange": "", "routing_key": "q"},
+            {
+                "delivery_count": 2,
+                "redelivered": True,
+                "x_death": [{"queue": "q", "count": 1}],
+                "x_first_death": {"queue": "q", "reason": "rejected"},
+            },
+            "2030-01-01T00:00:00Z",
+            body_id,
+        ),
+        ({"content_type_note": "from a stage"}, {}, None, body_id),
+        ({"exchange": "", "routing_key": "q"}, {}, None, None),
+    ]
+    ids = []
+    for props, state, expires, body in rows:
+        inserted = conn.execute(
+            "INSERT INTO pepsi.workqueue (stage, status, properties, state, expires, body_id,"
+            " message_id, content_type) VALUES (%s, 'running', %s, %s, %s, %s, 'm', 't/p')"
+            " RETURNING workqueue_id",
+            (stage, Jsonb(props), Jsonb(state), expires, body),
+        ).fetchone()
+        assert inserted is not None
+        ids.append(int(inserted[0]))
+    loaded = conn.execute(query("amqp_delivery_load"), {"ids": id_array(ids)}, binary=True)
+    by_id = {row[0]: tuple(row) for row in loaded.fetchall()}
+
+    def records(for_stages: list[str], max_bytes: int) -> list[Any]:
+        cur = conn.execute(
+            "SELECT pepsi.amqp_claimed_delivery(i, %s, %s)"
+            " FROM unnest(%s::bigint[]) WITH ORDINALITY AS u(i, n) ORDER BY n",
+            (for_stages, max_bytes, ids),
+            binary=True,
+        )
+        return [row[0] for row in cur.fetchall()]
+
+    assert records([stage], 1 << 20) == [by_id[wid] for wid in ids]
+    # header and body 2 + 5 bytes, past 6; the last row has neither
+    assert records([stage], 6) == [None, None, None, by_id[ids[3]]]
+    assert records(["amqp:/:other"], 1 << 20) == [None] * 4
+    conn.execute("UPDATE pepsi.workqueue SET status = 'pending' WHERE workqueue_id = %s", (ids[0],))
+    assert records([stage], 1 << 20)[0] is None
