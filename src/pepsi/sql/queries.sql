@@ -772,7 +772,9 @@ SELECT (SELECT count(*) FROM q), (SELECT count(*) FROM gone);
 -- case (no x-death). Header and body by one probe of the body's key per row: a lateral
 -- subquery that its LIMIT keeps from being flattened into a join (which statistics from a
 -- drained table turned into a walk of the whole body index per row); two scalar
--- subqueries probed it twice, a quarter more of this statement's CPU.
+-- subqueries probed it twice, a quarter more of this statement's CPU. A small claim
+-- returns the same columns (pepsi.amqp_claimed_delivery): change both, a test holds
+-- them equal (test_amqp_rows_with_the_claim).
 SELECT w.workqueue_id, w.properties ->> 'exchange', w.properties ->> 'routing_key',
        (w.state ->> 'delivery_count')::bigint, (w.state ->> 'redelivered')::boolean,
        w.state -> 'x_death', w.state -> 'x_first_death', extract(epoch FROM w.expires)::float8,
