@@ -449,6 +449,39 @@ def test_a_claim_names_the_stages_it_left_without_a_pending_row(
     assert claimer.drained == set()
 
 
+def claims_after_news_of_a_drained_stage(
+    dsn: str, conf: Path, news: Callable[[Dispatcher], int]
+) -> tuple[bool, int, int]:
+    """A dispatcher serving stage `a` claims its pending rows (the stage is then drained),
+    its worker answers, and a cycle settles that; then `news(dispatcher)` makes a row
+    pending by the way under test (its id) and one more cycle runs, by hand (nothing
+    woke it). Whether the first claim left `a` known empty, the claim statements the
+    last cycle ran, and the row's id."""
+
+    async def main() -> tuple[bool, int, int]:
+        dispatcher = Dispatcher(load_config(conf), dsn)
+        await dispatcher.session.open()
+        try:
+            await dispatcher.session.start_checks(["a"])
+            await dispatcher.cycle()  # claims every pending row: the stage is drained
+            drained = dispatcher.known_empty.empty("a")
+            (worker,) = dispatcher.supervisor.pools["a"].workers.values()
+            deadline = time.monotonic() + 30
+            while worker.inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)  # the worker answers on its own
+            assert not worker.inflight, "the worker did not answer within 30 s"
+            await dispatcher.cycle()  # its answers settled: nothing to claim
+            wid = news(dispatcher)
+            before = dispatcher.claimer.statements
+            await dispatcher.cycle()
+            return drained, dispatcher.claimer.statements - before, wid
+        finally:
+            await dispatcher.supervisor.shutdown()
+            await dispatcher.session.close()
+
+    return asyncio.run(main())
+
+
 def test_a_row_put_back_to_pending_is_claimed_though_its_stage_was_drained(
     dsn: str, conn: Conn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -460,29 +493,12 @@ def test_a_row_put_back_to_pending_is_claimed_though_its_stage_was_drained(
     conf.write_text("[stage-a]\nHANDLER = tests.stages:noop\n")
     insert(conn, "a", ["x", "y"])
 
-    async def main() -> tuple[bool, int, int]:
-        dispatcher = Dispatcher(load_config(conf), dsn)
-        await dispatcher.session.open()
-        try:
-            await dispatcher.session.start_checks(["a"])
-            await dispatcher.cycle()  # claims both: the stage is drained
-            drained = dispatcher.known_empty.empty("a")
-            (worker,) = dispatcher.supervisor.pools["a"].workers.values()
-            deadline = time.monotonic() + 30
-            while worker.inflight and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)  # the worker answers on its own
-            assert not worker.inflight, "the worker did not answer within 30 s"
-            await dispatcher.cycle()  # its answers settled: nothing to claim
-            before = dispatcher.claimer.statements
-            (wid,) = insert(conn, "a", ["z"], "running")
-            dispatcher.ledger.requeue("a", [wid])  # as for a worker gone before running it
-            await dispatcher.cycle()
-            return drained, dispatcher.claimer.statements - before, wid
-        finally:
-            await dispatcher.supervisor.shutdown()
-            await dispatcher.session.close()
+    def requeued(dispatcher: Dispatcher) -> int:
+        (wid,) = insert(conn, "a", ["z"], "running")
+        dispatcher.ledger.requeue("a", [wid])  # as for a worker gone before running it
+        return wid
 
-    drained, claims, wid = asyncio.run(main())
+    drained, claims, wid = claims_after_news_of_a_drained_stage(dsn, conf, requeued)
     assert drained
     assert claims == 1  # the requeue was news for `a`
     assert statuses(conn).get(wid) != "pending"  # claimed again (and perhaps run)
@@ -492,41 +508,24 @@ def test_a_paused_row_that_falls_due_is_claimed_though_its_stage_was_drained(
     dsn: str, conn: Conn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The sweeper's resuming of a due row is news for the claim in the same cycle,
-    whatever woke the loop (here: none, the cycle is run by hand), or the row would
-    wait for the next poll tick behind a stage marked empty."""
+    whatever woke the loop, or the row would wait for the next poll tick behind a
+    stage marked empty."""
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     conf = tmp_path / "pepsi.conf"
     conf.write_text("[stage-a]\nHANDLER = tests.stages:noop\n")
     insert(conn, "a", ["x"])
 
-    async def main() -> tuple[bool, int, int]:
-        dispatcher = Dispatcher(load_config(conf), dsn)
-        await dispatcher.session.open()
-        try:
-            await dispatcher.session.start_checks(["a"])
-            await dispatcher.cycle()  # claims it: the stage is drained
-            drained = dispatcher.known_empty.empty("a")
-            (worker,) = dispatcher.supervisor.pools["a"].workers.values()
-            deadline = time.monotonic() + 30
-            while worker.inflight and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)  # the worker answers on its own
-            assert not worker.inflight, "the worker did not answer within 30 s"
-            await dispatcher.cycle()  # its answer settled: nothing to claim
-            (wid,) = insert(conn, "a", ["z"], "paused")
-            conn.execute(
-                "UPDATE pepsi.workqueue SET timeout = now() - interval '1 second'"
-                " WHERE workqueue_id = %s",
-                (wid,),
-            )
-            dispatcher.sweeper.due_in(0)  # as a worker's pause outcome tells it
-            before = dispatcher.claimer.statements
-            await dispatcher.cycle()
-            return drained, dispatcher.claimer.statements - before, wid
-        finally:
-            await dispatcher.supervisor.shutdown()
-            await dispatcher.session.close()
+    def fell_due(dispatcher: Dispatcher) -> int:
+        (wid,) = insert(conn, "a", ["z"], "paused")
+        conn.execute(
+            "UPDATE pepsi.workqueue SET timeout = now() - interval '1 second'"
+            " WHERE workqueue_id = %s",
+            (wid,),
+        )
+        dispatcher.sweeper.due_in(0)  # as a worker's pause outcome tells it
+        return wid
 
-    drained, claims, wid = asyncio.run(main())
+    drained, claims, wid = claims_after_news_of_a_drained_stage(dsn, conf, fell_due)
     assert drained
     assert claims == 1  # resumed, and claimed in the same cycle
     assert statuses(conn).get(wid) not in ("paused", "pending")
