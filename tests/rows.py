@@ -10,15 +10,9 @@ from psycopg.types.json import Jsonb
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
-# The claim statements' parameters that ask for no rows back: for workers
-# (rows_for), AMQP consumers (amqp_for) or the drained probe (drain_for).
-NO_ROWS: dict[str, Any] = {
-    "rows_for": [],
-    "rows_max": 0,
-    "drain_for": [],
-    "amqp_for": [],
-    "amqp_bytes": 0,
-}
+# The claim statements' parameters that ask for no rows back, for workers
+# (rows_for) or AMQP consumers (amqp_for).
+NO_ROWS: dict[str, Any] = {"rows_for": [], "rows_max": 0, "amqp_for": [], "amqp_bytes": 0}
 
 
 def running(

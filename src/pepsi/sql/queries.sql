@@ -164,17 +164,17 @@ SELECT pepsi.workqueue_record_outcomes(%(stage)s, %(finished)s::bigint[], %(upda
 -- A claim of at most `rows_max` rows also returns the rows of `rows_for`'s stages
 -- (pepsi.workqueue_claimed_rows; NULL otherwise): the count over all the rows makes
 -- the claim run to its end first.
--- The first row also says which of `drain_for`'s stages the claim left without a
--- pending row (pepsi.workqueue_stages_drained). A small claim returns, for the rows
+-- The first row also says which of the stages it took rows of the claim left without
+-- a pending row (pepsi.workqueue_stages_drained: every stage asked is probed). A small claim returns, for the rows
 -- of `amqp_for`'s stages, what basic.deliver sends (pepsi.amqp_claimed_delivery, up
 -- to `amqp_bytes` of header and body; a record: read in binary).
 SELECT c.workqueue_id, c.stage, c.priority,
        CASE WHEN count(*) OVER () <= %(rows_max)s AND c.stage = ANY(%(rows_for)s::text[])
             THEN (pepsi.workqueue_claimed_rows(ARRAY[c.workqueue_id],
                                                %(rows_for)s::text[]))[1] END,
-       CASE WHEN row_number() OVER () = 1 AND cardinality(%(drain_for)s::text[]) > 0
+       CASE WHEN row_number() OVER () = 1
             THEN pepsi.workqueue_stages_drained(array_agg(c.stage) OVER (),
-                                                %(drain_for)s::text[]) END,
+                                                %(stages)s::text[]) END,
        CASE WHEN count(*) OVER () <= %(rows_max)s AND c.stage = ANY(%(amqp_for)s::text[])
             THEN pepsi.amqp_claimed_delivery(c.workqueue_id, %(amqp_for)s::text[],
                                              %(amqp_bytes)s) END
@@ -311,14 +311,14 @@ SELECT pepsi.workqueue_bounce_failed(%(stages)s::text[], %(sink)s, %(max_rows)s)
 
 -- name: workqueue_claim_fair
 -- P-5: the fair claim for all stages at once (see pepsi.workqueue_claim_fair);
--- `commit`, `rows_max`, `rows_for`, `drain_for`, `amqp_for` and `amqp_bytes` as in
--- workqueue_claim_fifo (the AMQP rows: a record, or NULL, per id).
+-- `commit`, `rows_max`, `rows_for`, `amqp_for` and `amqp_bytes`, and the drained
+-- stages, as in workqueue_claim_fifo (the AMQP rows: a record, or NULL, per id).
 SELECT c.ids, c.id_stages, c.id_senders, c.next_starts,
        CASE WHEN cardinality(c.ids) BETWEEN 1 AND %(rows_max)s
                  AND cardinality(%(rows_for)s::text[]) > 0
             THEN pepsi.workqueue_claimed_rows(c.ids, %(rows_for)s::text[]) END,
-       CASE WHEN cardinality(c.ids) > 0 AND cardinality(%(drain_for)s::text[]) > 0
-            THEN pepsi.workqueue_stages_drained(c.id_stages, %(drain_for)s::text[]) END,
+       CASE WHEN cardinality(c.ids) > 0
+            THEN pepsi.workqueue_stages_drained(c.id_stages, %(stages)s::text[]) END,
        CASE WHEN cardinality(c.ids) BETWEEN 1 AND %(rows_max)s
                  AND c.id_stages && %(amqp_for)s::text[]
             THEN ARRAY(SELECT CASE WHEN u.stage = ANY(%(amqp_for)s::text[])

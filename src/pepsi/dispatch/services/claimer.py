@@ -79,12 +79,10 @@ class Claimer:
         self.statements += 1
         commit = self.commit(capacities)
         rows_for = [stage for stage in rows_for if stage in capacities]
-        drain_for = list(capacities)
         amqp_for = [s for s in capacities if s.startswith(AMQP_STAGE_PREFIX)]
         rows = {
             "rows_for": text_array(rows_for),
-            "rows_max": ROWS_MAX if rows_for or amqp_for else 0,
-            "drain_for": text_array(drain_for),
+            "rows_max": ROWS_MAX,
             "amqp_for": text_array(amqp_for),
             "amqp_bytes": DELIVERY_BYTES,
         }
