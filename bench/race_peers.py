@@ -519,7 +519,8 @@ class Contestant:
         self.procs.clear()
 
 
-WARM_ROUNDS = 20  # of 500 messages, at most, to start every worker of Pepsi's pools
+WARM_ROUNDS = 20  # rounds, at most, to start every worker of Pepsi's pools
+WARM_MESSAGES = 500  # a round's messages at least; more when a stage holds more in flight
 
 
 class Pepsi(Contestant):
@@ -590,19 +591,23 @@ class Pepsi(Contestant):
         wait_empty(self.db, probe, drain_timeout(n), self.alive)
 
     def warm(self) -> None:
-        """Publish and drain 500 at a time until every stage's pool has all its workers
+        """Publish and drain rounds until every stage's pool has all its workers
         (PARALLELISM each), as the peers' consumers are all running before the clock.
         A pool grows as its claims outrun it: 200 messages once started two of a
-        stage's four, and the other two (0.33 s of CPU each) started on the clock."""
+        stage's four, and the other two (0.33 s of CPU each) started on the clock. A
+        round is more than a stage's workers hold at once (PARALLELISM × QUEUE_LIMIT),
+        or the first workers would take it all and the last never start."""
         if not self.procs:
             return
         assert self.publisher is not None
-        want = sum(stage.parallelism for stage in self.config.stages.values())
+        stages = self.config.stages.values()
+        want = sum(stage.parallelism for stage in stages)
+        size = max(WARM_MESSAGES, max(stage.capacity for stage in stages) + 1)
         dispatcher = psutil.Process(self.procs[0].pid)
         self.shared.stamps.clear()
         for _ in range(WARM_ROUNDS):
-            self.publisher.publish_many(self.messages(500))
-            self.wait(500)
+            self.publisher.publish_many(self.messages(size))
+            self.wait(size)
             workers = [c for c in dispatcher.children() if "worker" in c.cmdline()]
             if len(workers) >= want:
                 break

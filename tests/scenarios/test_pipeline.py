@@ -321,7 +321,7 @@ def test_the_dispatcher_vacuums_the_queue_at_the_pace_of_its_traffic(pipeline: P
 def test_a_slow_stage_spreads_over_its_pool_with_the_default_queue_limit(
     pipeline: Pipeline,
 ) -> None:
-    """QUEUE_LIMIT is 128, but a stage taking 200 ms a message gets a window of one."""
+    """QUEUE_LIMIT is 512, but a stage taking 200 ms a message gets a window of one."""
     pipeline.configure("[stage-slow]\nHANDLER = tests.stages:faulty_serial\n")
     ids = pipeline.publish("slow", count=24, properties={"fault": "slow", "sleep": 0.2})
     dispatcher = pipeline.start()

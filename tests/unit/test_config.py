@@ -55,9 +55,9 @@ def test_defaults_follow_the_manual(tmp_path: Path) -> None:
     stage = config.stages["a"]
     # QUEUE_LIMIT and MAX_MESSAGES depart from the manual's 4 and 1000 on
     # purpose (docs/performance.md): the window adapts below QUEUE_LIMIT.
-    assert (stage.parallelism, stage.queue_limit, stage.max_messages) == (4, 128, 100_000)
+    assert (stage.parallelism, stage.queue_limit, stage.max_messages) == (4, 512, 100_000)
     assert stage.max_lifetime == 120 * 3600
-    assert stage.capacity == 512
+    assert stage.capacity == 2048
     assert stage.overflow is Overflow.REJECT_PUBLISH
     assert stage.next is None
     assert stage.bounce_stage is None

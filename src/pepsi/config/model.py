@@ -149,7 +149,7 @@ class StageConfig:
     handler: str | None = None
     next: str | None = None
     parallelism: int = 4
-    queue_limit: int = 128  # the most ids a worker holds; its window adapts below (P-6)
+    queue_limit: int = 512  # the most ids a worker holds; its window adapts below (P-6)
     max_messages: int = 100_000  # recycle a worker after this many (P-6); see docs/configuration.md
     max_runtime: float = MAX_RUNTIME
     max_lifetime: float = MAX_LIFETIME
