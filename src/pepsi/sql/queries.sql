@@ -165,9 +165,10 @@ SELECT pepsi.workqueue_record_outcomes(%(stage)s, %(finished)s::bigint[], %(upda
 -- (pepsi.workqueue_claimed_rows; NULL otherwise): the count over all the rows makes
 -- the claim run to its end first.
 -- The first row also says which of the stages it took rows of the claim left without
--- a pending row (pepsi.workqueue_stages_drained: every stage asked is probed). A small claim returns, for the rows
--- of `amqp_for`'s stages, what basic.deliver sends (pepsi.amqp_claimed_delivery, up
--- to `amqp_bytes` of header and body; a record: read in binary).
+-- a pending row (pepsi.workqueue_stages_drained: every stage asked is probed). A small
+-- claim returns, for the rows of `amqp_for`'s stages, what basic.deliver sends
+-- (pepsi.amqp_claimed_delivery, up to `amqp_bytes` of header and body; a record: read
+-- in binary).
 SELECT c.workqueue_id, c.stage, c.priority,
        CASE WHEN count(*) OVER () <= %(rows_max)s AND c.stage = ANY(%(rows_for)s::text[])
             THEN (pepsi.workqueue_claimed_rows(ARRAY[c.workqueue_id],
