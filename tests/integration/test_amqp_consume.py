@@ -676,6 +676,59 @@ def test_freed_credit_does_not_claim_again_for_a_queue_found_empty(
     cycle_after(lambda: broker.deliverer.link.wake("amqp"))  # returns written: news
     assert stage in asked[-1]
     channel.basic_cancel(channel.consumer_tags[0])  # no consumer: the queue is not claimed
-    publish(channel, "quiet", [b"kept"])
+    # this listener's commits count from the empty claim: no count(*) either
+    publish(channel, "quiet", [b"kept", b"more"])
+    assert channel.queue_declare("quiet", passive=True).method.message_count == 2
+    assert counted == []
+    # basic.get takes a row, not the dispatcher's claim: counted again
+    _, _, body = channel.basic_get("quiet", auto_ack=True)
+    assert body == b"kept"
     assert channel.queue_declare("quiet", passive=True).method.message_count == 1
     assert counted == [stage]
+
+
+def test_declare_ok_counts_what_the_queue_holds_after_each_change(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn, broker: DispatcherThread
+) -> None:
+    """declare-ok's message_count comes from what the dispatcher knows (a claim found the
+    queue empty, this listener's commits since) until anything else may have changed the
+    queue; whichever way it is answered, it is what the queue holds."""
+    connection = amqp()
+    channel = connection.channel()
+    channel.queue_declare("counted")
+    dispatcher = broker.dispatcher
+    stage = "amqp:/:counted"
+
+    def found_empty() -> None:
+        """A consumer comes, its claim finds the queue empty, it goes."""
+        tag = channel.basic_consume("counted", lambda *_: None)
+        wait_until(lambda: broker.run(lambda: dispatcher.known.empty(stage)), what="a claim")
+        channel.basic_cancel(tag)
+
+    def count() -> int:
+        return int(channel.queue_declare("counted", passive=True).method.message_count)
+
+    found_empty()
+    publish(channel, "counted", [b"1", b"2", b"3"])
+    assert count() == 3 == rows(conn, "counted")["pending"]
+    assert channel.queue_purge("counted").method.message_count == 3
+    assert count() == 0
+    found_empty()
+    publish(channel, "counted", [b"4", b"5"])
+    method, _, body = channel.basic_get("counted")
+    assert body == b"4"
+    assert count() == 1
+    channel.basic_nack(method.delivery_tag, requeue=True)  # given back: ready again
+    assert count() == 2
+    # another process's publish counts once its NOTIFY reaches the dispatcher
+    conn.execute("SELECT pepsi.workqueue_publish_one(%s, NULL, %s)", (stage, b"6"))
+    wait_until(lambda: count() == 3, what="the NOTIFY")
+    assert rows(conn, "counted") == {"pending": 3}
+    channel.queue_delete("counted")
+    channel.queue_declare("counted")
+    assert count() == 0
+    channel.queue_delete("counted")
+    channel.queue_declare("counted", arguments={"x-max-length": 2})  # drop-head
+    found_empty()
+    publish(channel, "counted", [b"7", b"8", b"9"])
+    assert count() == 2 == rows(conn, "counted")["pending"]

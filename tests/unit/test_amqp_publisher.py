@@ -14,7 +14,7 @@ from pepsi.amqp.broker.publish.columns import column_peer, column_text, routing_
 from pepsi.amqp.broker.publish.confirms import Confirm, group_confirms
 from pepsi.amqp.broker.publish.params import lean_params, split
 from pepsi.amqp.broker.publish.properties import parse_expiration, read_properties
-from pepsi.amqp.broker.publish.units import Item
+from pepsi.amqp.broker.publish.units import Item, Unit, rows_per_stage
 from pepsi.amqp.wire.properties import decode_properties
 from pepsi.amqp.wire.replies import ChannelError
 from pepsi.publishing.message import Row
@@ -94,6 +94,16 @@ def test_split_keeps_reject_publish_stages_apart() -> None:
     assert list(guarded) == ["full"]
     assert guarded["full"][0][0] is a
     assert a.refused is False
+
+
+def test_a_commit_counts_the_rows_of_stages_without_a_limit_or_dedup() -> None:
+    unlimited = Item([row("reply"), row("tasks")])
+    limited = Item([row("reply"), row("capped")], {"capped": (2, True)})
+    deduplicated = Item([row("reply"), row("tasks")._replace(message_id="m", dedup=True)])
+    units = [Unit([unlimited, limited], lambda *_: None), Unit([deduplicated], lambda *_: None)]
+    # the publish function may drop or refuse a limited stage's rows, or skip a duplicate
+    assert rows_per_stage(units) == {"reply": 3, "tasks": None, "capped": None}
+    assert rows_per_stage([]) == {}
 
 
 def test_lean_params_are_the_columns_a_publish_fills() -> None:

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -31,7 +31,7 @@ from pepsi.config import Config
 from pepsi.dispatch.endpoints import Endpoints
 from pepsi.dispatch.ledger import InFlight
 from pepsi.dispatch.policy import decisions, fairness
-from pepsi.dispatch.policy.known_empty import KnownEmpty
+from pepsi.dispatch.policy.known_pending import KnownPending
 from pepsi.dispatch.pools.pool import PoolOptions
 from pepsi.dispatch.pools.supervisor import PoolSupervisor
 from pepsi.dispatch.rows import RowWriter
@@ -92,7 +92,7 @@ class Dispatcher(Endpoints):
         self.session = Session(session_options, lambda: self.stopping, clock)
         self.listener = Listener(session_options, self.wake, self.on_channel)
         self.claimer = Claimer(fair, synchronous=config.postgres.worker_synchronous_commit)
-        self.known_empty = KnownEmpty()  # claims that only freed credit asks for skip these
+        self.known = KnownPending()  # empty stages: claims that only freed credit asks skip them
         self.sweeper = Sweeper(SweepOptions.from_config(config), self.stats, clock)
         self.flusher = StatsFlusher(self.stats, options.stats_interval, self.started_at, clock)
         # the live snapshot (NOTIFY pepsi_live): the metrics endpoint's numbers, every second
@@ -174,6 +174,7 @@ class Dispatcher(Endpoints):
             self.retire_requested = True
             self._wake_bare()
         elif channel == "amqp_changed" and self.amqp is not None:
+            self.known.heard()  # a queue deleted elsewhere (its vhost), say: counts unknown
             self.amqp.changed(payload)
 
     def request_stop(self) -> None:
@@ -199,19 +200,20 @@ class Dispatcher(Endpoints):
 
     # ---- the loop ------------------------------------------------------------
 
-    def wake(self, cause: str, *, news: bool | set[str] = True) -> None:
-        """`news`: which stages may have rows pending now: all (True), these, or none
-        (False: only credit was freed, an AMQP consumer's)."""
+    def wake(self, cause: str, *, news: bool | Mapping[str, int | None] = True) -> None:
+        """`news`: which stages may have rows pending now: all (True), these, with how
+        many rows each if known (the AMQP listener's commit), or none (False: only
+        credit was freed, an AMQP consumer's)."""
         self.wake_causes.add(cause)
         if news is True:
-            self.known_empty.heard()
+            self.known.heard()
         elif news:
-            self.known_empty.heard_of(news)
+            self.known.published(news)
         self.wake_event.set()
 
     def _wake_bare(self) -> None:
         """A wakeup that is not a pipeline event (stop, reload, reconnection)."""
-        self.known_empty.heard()
+        self.known.heard()
         self.wake_event.set()
 
     async def _run(self) -> None:
@@ -228,7 +230,7 @@ class Dispatcher(Endpoints):
                 # a bug must not strand every claimed row: log it, go on
                 log.exception("dispatcher cycle failed; continuing in %gs", BUG_PAUSE)
                 await asyncio.sleep(BUG_PAUSE)
-                self.known_empty.heard()
+                self.known.heard()
                 continue
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for runs the wait as a
             # task of its own, two more turns of the loop between a wakeup and the
@@ -253,21 +255,21 @@ class Dispatcher(Endpoints):
             log.info("telemetry switch changed: %d live workers retired", n)
         self.supervisor.tend()
         if self.rows:
-            # rows going back to pending: news for a stage a claim found drained
-            self.known_empty.heard_of(stage for stage, ids in self.rows.requeues.items() if ids)
+            # rows going back to pending: news for their stages
+            self.known.changed(stage for stage, ids in self.rows.requeues.items() if ids)
             soonest = await self.rows.flush(conn, self.clock())
             if soonest is not None:
                 self.sweeper.due_in(soonest)
         if await self.sweeper.run_once(conn):
-            self.known_empty.heard()  # rows made pending here, whatever woke the loop
+            self.known.heard()  # its poll, or rows made pending: whatever woke the loop
         await self.supervisor.isolate()
         capacities = self.supervisor.capacities()
         broker = self.amqp_broker
         if broker is not None:  # AMQP consumers: one more kind of worker (A-1)
             capacities.update(broker.deliverer.capacities())
-        asked = self.known_empty.room(capacities)
+        asked = self.known.room(capacities)
         claimed = await self.claimer.run_once(conn, asked, self.supervisor.rows_for())
-        self.known_empty.claimed(asked, (row.stage for row in claimed), self.claimer.drained)
+        self.known.claimed(asked, (row.stage for row in claimed), self.claimer.drained)
         if claimed:
             self.ledger.claimed(claimed)
             if broker is not None:
@@ -347,7 +349,7 @@ class Dispatcher(Endpoints):
         """P-9: each cause of this wakeup once; no cause means a deadline passed."""
         causes, self.wake_causes = self.wake_causes, set()
         if not causes:  # a deadline: the sweeper's poll may make paused rows pending
-            self.known_empty.heard()
+            self.known.heard()
         if self.stopping:
             return  # woken to stop: not a wakeup of the pipeline's
         for cause in decisions.wakeup_causes(causes, self.clock(), self.sweeper.next_poll):

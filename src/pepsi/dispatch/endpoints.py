@@ -9,7 +9,7 @@ builds the services these read and starts them in `serve`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -19,7 +19,7 @@ from pepsi.amqp.session import server as amqp_server
 from pepsi.config import Config, Overflow
 from pepsi.config.values import host_port, is_loopback
 from pepsi.dispatch.ledger import InFlight
-from pepsi.dispatch.policy.known_empty import KnownEmpty
+from pepsi.dispatch.policy.known_pending import KnownPending
 from pepsi.dispatch.pools.supervisor import PoolSupervisor
 from pepsi.dispatch.services.metrics import Gauges, MetricsServer, Snapshot
 from pepsi.dispatch.stats import Stats
@@ -40,8 +40,11 @@ class _AmqpLink:
         # consumers are workers to the statistics (P-9); "credit" brings no pending row
         self.dispatcher.wake("worker", news=cause != "credit")
 
-    def known_empty(self, stage: str) -> bool:
-        return self.dispatcher.known_empty.empty(stage)
+    def known_pending(self, stage: str) -> int | None:
+        return self.dispatcher.known.pending(stage)
+
+    def changed(self, stage: str) -> None:
+        self.dispatcher.known.changed((stage,))
 
 
 class Endpoints:
@@ -57,9 +60,9 @@ class Endpoints:
     supervisor: PoolSupervisor
     amqp_broker: AmqpBroker | None
 
-    known_empty: KnownEmpty
+    known: KnownPending
 
-    def wake(self, cause: str, *, news: bool | set[str] = True) -> None: ...
+    def wake(self, cause: str, *, news: bool | Mapping[str, int | None] = True) -> None: ...
 
     def _serve_metrics(self) -> MetricsServer | None:
         address = self.config.dispatch.metrics_address
@@ -102,7 +105,7 @@ class Endpoints:
         )  # fmt: skip
         self.amqp_broker.deliverer.link = _AmqpLink(self)
         # AMQP publishes are written by this process: they wake this loop, not NOTIFY (P-3)
-        self.amqp_broker.batcher.on_committed = lambda stages: self.wake("notify", news=stages)
+        self.amqp_broker.batcher.on_committed = lambda rows: self.wake("notify", news=rows)
         await self.amqp_broker.drop_transient()
         await self.amqp_broker.declare_entries()
         try:

@@ -148,6 +148,7 @@ class Broker:
         count = await self.catalogue.delete_queue(vhost, name, view.sources_bound_to(QUEUE, name))
         self.exclusive.pop((vhost, name), None)
         if queue is not None:
+            self.deliverer.link.changed(queue.stage)  # a queue declared again starts empty
             self.queue_gone(queue.stage)
         return count
 

@@ -243,13 +243,15 @@ class DeclaringChannel(ChannelHandler):
         return name, await self._pending_count(existing.stage)
 
     async def _pending_count(self, stage: str) -> int:
-        """The stage's pending rows; 0 without a query when the dispatcher's last claim
-        found none and no news has come since (Celery's client declares its auto-delete
-        reply queue before every task). A row another process published counts from
-        the moment its NOTIFY reaches the dispatcher."""
+        """The stage's pending rows; without a query when the dispatcher knows them (its
+        last claim, and this listener's commits since: Celery's client declares its
+        auto-delete reply queue before every task, and its worker publishes results
+        there). A row another process published counts from the moment its NOTIFY
+        reaches the dispatcher."""
         await self.counted_in_order(stage)  # this channel's publishes to it, its returns
-        if self.broker.deliverer.link.known_empty(stage):
-            return 0
+        known = self.broker.deliverer.link.known_pending(stage)
+        if known is not None:
+            return known
         return await self.catalogue.message_count(stage)
 
     async def _queue_binding(
@@ -301,6 +303,7 @@ class DeclaringChannel(ChannelHandler):
             deliverer.ack(Delivery(wid, queue.stage, None, 0) for wid in ahead)
             loading = deliverer.purge_loading(queue.stage)  # ... and those being loaded
             count = await self.catalogue.purge_queue(queue.stage) + len(ahead) + loading
+            deliverer.link.changed(queue.stage)
         if not method.nowait:
             self._reply(methods.build_method(commands.Queue.PurgeOk, message_count=count))
 

@@ -221,8 +221,10 @@ class Expiry:
             by_stage: dict[str, list[int]] = {}
             for wid, stage in claimed:
                 by_stage.setdefault(str(stage), []).append(int(wid))
+            deliverer = self.broker.deliverer
             for stage, ids in by_stage.items():  # at once: running, and held by nobody yet
-                self.broker.deliverer.dead_letter(stages[stage], ids, EXPIRED)
+                deliverer.link.changed(stage)  # pending rows taken: a count known is not
+                deliverer.dead_letter(stages[stage], ids, EXPIRED)
             self.expired += len(claimed)
             full = len(claimed) >= self.batch
         full = await self._overflowed(conn, stages) or full
@@ -280,6 +282,7 @@ class Expiry:
                 self.measured[stage] = int(octets)
             elif claimed:
                 ids = [int(wid) for wid in claimed]
+                self.broker.deliverer.link.changed(stage)
                 self.broker.deliverer.dead_letter(queue, ids, MAXLEN)
                 self.dropped += len(ids)
                 full = full or len(ids) >= self.batch

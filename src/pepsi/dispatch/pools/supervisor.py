@@ -20,7 +20,7 @@ from typing import Protocol
 from pepsi.config import Config
 from pepsi.dispatch.ledger import Claimed, InFlight
 from pepsi.dispatch.policy import backpressure, decisions, pools
-from pepsi.dispatch.policy.known_empty import answer_is_news
+from pepsi.dispatch.policy.known_pending import answer_is_news
 from pepsi.dispatch.pools.pool import PoolOptions, StagePool, worker_argv
 from pepsi.dispatch.pools.workers import WorkerProcess
 from pepsi.dispatch.stats import Stats
@@ -34,7 +34,7 @@ class Wake(Protocol):
     """The dispatcher's wakeup (`Dispatcher.wake`): `news` False when nothing can have
     become pending."""
 
-    def __call__(self, cause: str, *, news: bool | set[str] = True) -> None: ...
+    def __call__(self, cause: str, *, news: bool = True) -> None: ...
 
 
 class PoolSupervisor:

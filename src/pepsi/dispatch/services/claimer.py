@@ -17,7 +17,7 @@ unmarked as redelivered.
 A claim also says which stages it left without a pending row (`drained`, a
 probe after the claim in its statement): the dispatcher then skips them until
 news comes, rather than claim again after each answer or freed credit and find
-nothing (`policy.known_empty`), and an AMQP queue's `queue.declare` counts its
+nothing (`policy.known_pending`), and an AMQP queue's `queue.declare` counts its
 pending rows without a query (Celery's client declares its reply queue before
 every task, and a claim has just taken the result that came).
 

@@ -67,18 +67,20 @@ class Sweeper:
 
     async def run_once(self, conn: AConn) -> bool:
         """Whatever is due now: the paused and TTL sweeps, the housekeeping. Whether
-        rows may have become pending (resumed, or dead-lettered to a stage): news for
-        the claim, whatever woke the loop (`policy.known_empty`)."""
+        it polled (what no NOTIFY announced, a row deleted by hand, shows then) or rows
+        may have become pending (resumed, or dead-lettered to a stage): news for the
+        claim, whatever woke the loop (`policy.known_pending`)."""
         now = self.clock()
         made_pending = 0
-        if now >= self.next_poll or (self.next_due is not None and now >= self.next_due):
+        polled = now >= self.next_poll
+        if polled or (self.next_due is not None and now >= self.next_due):
             made_pending += await self.resume_due(conn)
             made_pending += await self.expire(conn)
             self.next_poll = now + self.options.poll_interval
         if now >= self.next_housekeeping:
             await self.housekeeping(conn)
             self.next_housekeeping = now + self.options.housekeeping_interval
-        return made_pending > 0
+        return polled or made_pending > 0
 
     async def resume_due(self, conn: AConn) -> int:
         """Paused rows that are due made pending again; how many."""

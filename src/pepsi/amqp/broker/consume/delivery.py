@@ -76,6 +76,7 @@ class Deliverer(ReadAhead, Pump, Settle):
                 raise
             if row is None:
                 return None
+            self.link.changed(stage)  # a pending row taken, not by the dispatcher's claim
             fetched = fetched_row(row, queue.name, quorum_queue(queue))
             if not fetched.expired(self.clock()):
                 return fetched, max(int(row[11]), 0) + self.ready_count(stage)

@@ -43,9 +43,14 @@ class DispatchLink(Protocol):
     def returned(self, stage: str, ids: list[int]) -> None:
         """Back to pending: the fair-share debit is refunded."""
 
-    def known_empty(self, stage: str) -> bool:
-        """Whether the stage has no pending row for sure: its last claim found none and
-        no news has come since (`pepsi.dispatch.policy.known_empty`)."""
+    def known_pending(self, stage: str) -> int | None:
+        """The stage's pending rows for sure, or None: known from the dispatcher's last
+        claim and the listener's commits since, with no other news
+        (`pepsi.dispatch.policy.known_pending`)."""
+
+    def changed(self, stage: str) -> None:
+        """Pending rows of the stage were taken or removed here other than by a claim
+        (basic.get, a purge, the queue deleted, expired): its count is not known."""
 
     def consumed(self, stage: str, ids: list[int]) -> None:
         """Settled for good (acked, dead-lettered, or gone with its queue)."""
@@ -60,8 +65,11 @@ class NoDispatch:
     def returned(self, stage: str, ids: list[int]) -> None:
         pass
 
-    def known_empty(self, stage: str) -> bool:
-        return False
+    def known_pending(self, stage: str) -> int | None:
+        return None
+
+    def changed(self, stage: str) -> None:
+        pass
 
     def consumed(self, stage: str, ids: list[int]) -> None:
         pass

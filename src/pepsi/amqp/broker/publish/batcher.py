@@ -38,7 +38,7 @@ import psycopg
 
 from pepsi.amqp.broker.publish import arrays
 from pepsi.amqp.broker.publish.params import LEAN_BODIES, LEAN_SQL, call_params, lean_params, split
-from pepsi.amqp.broker.publish.units import Limit, Unit
+from pepsi.amqp.broker.publish.units import Limit, Unit, rows_per_stage
 from pepsi.db.backoff import Backoff
 from pepsi.db.connect import connect_async
 from pepsi.errors import PepsiError, one_line
@@ -78,8 +78,8 @@ class Batcher:
         # database is unreachable) or wait above the high-water mark; None: unblocked
         self.on_blocked: Callable[[str | None], None] = lambda _: None
         # after a commit: the dispatcher's loop (in this process) has new rows to claim,
-        # in these stages
-        self.on_committed: Callable[[set[str]], None] = lambda stages: None
+        # so many in these stages (None: not known how many)
+        self.on_committed: Callable[[dict[str, int | None]], None] = lambda rows: None
         self._down = False
         self._blocked: str | None = None
         self._submitted = 0  # units submitted ...
@@ -220,7 +220,7 @@ class Batcher:
             for unit in units:
                 self._report(unit, None)
             try:
-                self.on_committed({r.stage for u in units for i in u.items for r in i.rows})
+                self.on_committed(rows_per_stage(units))
             except Exception:
                 log.exception("amqp: waking the dispatcher after a publish failed")
 

@@ -7,7 +7,7 @@ tx.commit. The batcher reports each unit's outcome once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pepsi.publishing.message import Row
@@ -56,4 +56,20 @@ class Unit:
         self.rows, self.size = rows, size
 
 
-__all__ = ["Item", "Limit", "Unit"]
+def rows_per_stage(units: Iterable[Unit]) -> dict[str, int | None]:
+    """The pending rows a commit of `units` made, per stage; None where not known: a stage
+    with a length limit (the publish function may drop or refuse rows there) or a row
+    with deduplication (it may have been a duplicate)."""
+    counts: dict[str, int | None] = {}
+    for unit in units:
+        for item in unit.items:
+            for row in item.rows:
+                known = counts.get(row.stage, 0)
+                if known is None or row.dedup or row.stage in item.limits:
+                    counts[row.stage] = None
+                else:
+                    counts[row.stage] = known + 1
+    return counts
+
+
+__all__ = ["Item", "Limit", "Unit", "rows_per_stage"]
