@@ -92,7 +92,7 @@ class Dispatcher(Endpoints):
         self.session = Session(session_options, lambda: self.stopping, clock)
         self.listener = Listener(session_options, self.wake, self.on_channel)
         self.claimer = Claimer(fair, synchronous=config.postgres.worker_synchronous_commit)
-        self.known = KnownPending()  # empty stages: claims that only freed credit asks skip them
+        self.known = KnownPending()  # what each stage holds pending, where known (P-4, A-1)
         self.sweeper = Sweeper(SweepOptions.from_config(config), self.stats, clock)
         self.flusher = StatsFlusher(self.stats, options.stats_interval, self.started_at, clock)
         # the live snapshot (NOTIFY pepsi_live): the metrics endpoint's numbers, every second
