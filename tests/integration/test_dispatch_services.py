@@ -529,3 +529,25 @@ def test_a_paused_row_that_falls_due_is_claimed_though_its_stage_was_drained(
     assert drained
     assert claims == 1  # resumed, and claimed in the same cycle
     assert statuses(conn).get(wid) not in ("paused", "pending")
+
+
+def test_a_row_no_notify_announced_is_claimed_at_the_poll_though_its_stage_was_drained(
+    dsn: str, conn: Conn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row made pending without a NOTIFY (by hand, say) waits behind a stage known
+    empty only for the sweeper's next poll: the poll is news for every stage, whatever
+    woke the loop (a busy loop may never wake for a deadline alone)."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    conf = tmp_path / "pepsi.conf"
+    conf.write_text("[stage-a]\nHANDLER = tests.stages:noop\n")
+    insert(conn, "a", ["x"])
+
+    def by_hand(dispatcher: Dispatcher) -> int:
+        (wid,) = insert(conn, "a", ["z"])  # an INSERT of its own: no NOTIFY
+        dispatcher.sweeper.next_poll = 0.0  # the poll is due
+        return wid
+
+    drained, claims, wid = claims_after_news_of_a_drained_stage(dsn, conf, by_hand)
+    assert drained
+    assert claims == 1
+    assert statuses(conn).get(wid) != "pending"
