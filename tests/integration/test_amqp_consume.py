@@ -732,3 +732,28 @@ def test_declare_ok_counts_what_the_queue_holds_after_each_change(
     found_empty()
     publish(channel, "counted", [b"7", b"8", b"9"])
     assert count() == 2 == rows(conn, "counted")["pending"]
+
+
+def test_a_count_that_a_claim_overlapped_is_taken_again(
+    amqp: Callable[[], pika.BlockingConnection], broker: DispatcherThread
+) -> None:
+    """declare-ok adds the read-ahead to the pending rows counted: a claim that ran while
+    the count did may have moved rows from one to the other, and counted them twice (a
+    thousand too many, with consumers reading ahead). Such a count is taken again."""
+    channel = amqp().channel()
+    channel.queue_declare("recount")
+    publish(channel, "recount", [b"a", b"b"])  # no consumer: the count is not known
+    dispatcher = broker.dispatcher
+    catalogue = dispatcher.amqp_broker.catalogue  # type: ignore[union-attr]
+    count = catalogue.message_count
+    calls: list[str] = []
+
+    async def overlapped(stage: str) -> int:
+        calls.append(stage)
+        if len(calls) == 1:
+            dispatcher.claim_turns += 2  # as if a claim ran meanwhile
+        return await count(stage)
+
+    broker.run(lambda: setattr(catalogue, "message_count", overlapped))
+    assert channel.queue_declare("recount", passive=True).method.message_count == 2
+    assert calls == ["amqp:/:recount"] * 2

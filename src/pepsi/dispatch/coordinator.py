@@ -29,7 +29,7 @@ from pepsi.amqp.broker.broker import Broker as AmqpBroker
 from pepsi.amqp.session import server as amqp_server
 from pepsi.config import Config
 from pepsi.dispatch.endpoints import Endpoints
-from pepsi.dispatch.ledger import InFlight
+from pepsi.dispatch.ledger import Claimed, InFlight
 from pepsi.dispatch.policy import decisions, fairness
 from pepsi.dispatch.policy.known_pending import KnownPending
 from pepsi.dispatch.pools.pool import PoolOptions
@@ -93,6 +93,9 @@ class Dispatcher(Endpoints):
         self.listener = Listener(session_options, self.wake, self.on_channel)
         self.claimer = Claimer(fair, synchronous=config.postgres.worker_synchronous_commit)
         self.known = KnownPending()  # what each stage holds pending, where known (P-4, A-1)
+        self.claim_turns = 0  # odd while a claim runs: see _AmqpLink.claim_turn
+        self.no_claim = asyncio.Event()  # set while no claim runs
+        self.no_claim.set()
         self.sweeper = Sweeper(SweepOptions.from_config(config), self.stats, clock)
         self.flusher = StatsFlusher(self.stats, options.stats_interval, self.started_at, clock)
         # the live snapshot (NOTIFY pepsi_live): the metrics endpoint's numbers, every second
@@ -267,24 +270,35 @@ class Dispatcher(Endpoints):
         broker = self.amqp_broker
         if broker is not None:  # AMQP consumers: one more kind of worker (A-1)
             capacities.update(broker.deliverer.capacities())
-        asked = self.known.room(capacities)
-        claimed = await self.claimer.run_once(conn, asked, self.supervisor.rows_for())
-        self.known.claimed(asked, (row.stage for row in claimed), self.claimer.drained)
+        claimed = await self._claim(conn, self.known.room(capacities))
         if claimed:
-            self.ledger.claimed(claimed)
-            if broker is not None:
-                amqp = [row for row in claimed if row.stage.startswith(AMQP_STAGE_PREFIX)]
-                if amqp:
-                    broker.deliverer.deliver((row.wid, row.stage, row.delivery) for row in amqp)
-                    claimed = [
-                        row for row in claimed if not row.stage.startswith(AMQP_STAGE_PREFIX)
-                    ]
             await self.supervisor.feed(claimed)
         self.vacuum.maybe_start(self.ledger.answered_total)
         if self.flusher.due(self.supervisor.idle()):
             await self.flusher.run_once(conn)
         if self.live.due(self.supervisor.idle()):
             await self.live.run_once(conn)
+
+    async def _claim(self, conn: AConn, asked: dict[str, int]) -> list[Claimed]:
+        """P-4: the one claim. Its AMQP rows go to their read-ahead; the rest are returned,
+        for the workers. `claim_turns` is odd meanwhile (queue.declare's count of a queue
+        must not overlap a claim that reads its rows ahead)."""
+        self.claim_turns += 1
+        self.no_claim.clear()
+        try:
+            claimed = await self.claimer.run_once(conn, asked, self.supervisor.rows_for())
+            self.known.claimed(asked, (row.stage for row in claimed), self.claimer.drained)
+            if not claimed:
+                return claimed
+            self.ledger.claimed(claimed)
+            amqp = [row for row in claimed if row.stage.startswith(AMQP_STAGE_PREFIX)]
+            if not amqp or self.amqp_broker is None:
+                return claimed
+            self.amqp_broker.deliverer.deliver((r.wid, r.stage, r.delivery) for r in amqp)
+            return [r for r in claimed if not r.stage.startswith(AMQP_STAGE_PREFIX)]
+        finally:
+            self.claim_turns += 1
+            self.no_claim.set()
 
     async def _reload(self) -> None:
         """P-10: the file and the overlay again; swap the stage table, retire every worker."""

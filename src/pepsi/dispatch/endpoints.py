@@ -8,6 +8,7 @@ builds the services these read and starts them in `serve`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -46,6 +47,13 @@ class _AmqpLink:
     def changed(self, stage: str) -> None:
         self.dispatcher.known.changed((stage,))
 
+    def claim_turn(self) -> int:
+        return self.dispatcher.claim_turns
+
+    async def between_claims(self) -> int:
+        await self.dispatcher.no_claim.wait()
+        return self.dispatcher.claim_turns
+
 
 class Endpoints:
     """The dispatcher's listeners and the numbers its metrics report; a base of
@@ -61,6 +69,8 @@ class Endpoints:
     amqp_broker: AmqpBroker | None
 
     known: KnownPending
+    claim_turns: int
+    no_claim: asyncio.Event
 
     def wake(self, cause: str, *, news: bool | Mapping[str, int | None] = True) -> None: ...
 

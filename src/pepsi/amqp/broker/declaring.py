@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from pepsi.amqp.broker.consume.delivery import Deliverer
     from pepsi.amqp.broker.expiry import Expiry
 
+COUNT_TRIES = 3  # declare-ok's count taken again while claims overlap it, at most so often
+
 
 class Broker(Protocol):
     """What a declaring channel needs of the broker (`broker.Broker`, whose channels
@@ -249,10 +251,20 @@ class DeclaringChannel(ChannelHandler):
         there). A row another process published counts from the moment its NOTIFY
         reaches the dispatcher."""
         await self.counted_in_order(stage)  # this channel's publishes to it, its returns
-        known = self.broker.deliverer.link.known_pending(stage)
+        link = self.broker.deliverer.link
+        known = link.known_pending(stage)
         if known is not None:
             return known
-        return await self.catalogue.message_count(stage)
+        # The caller adds the read-ahead: a claim that ran while this counted may have read
+        # ahead rows the count saw pending (a thousand too many, with busy consumers). So
+        # the count is taken between claims, and again if one ran meanwhile.
+        count = 0
+        for _ in range(COUNT_TRIES):
+            turn = await link.between_claims()
+            count = await self.catalogue.message_count(stage)
+            if link.claim_turn() == turn:
+                break
+        return count
 
     async def _queue_binding(
         self, method: commands.Queue.Bind | commands.Queue.Unbind, *, bind: bool

@@ -55,6 +55,13 @@ class DispatchLink(Protocol):
     def consumed(self, stage: str, ids: list[int]) -> None:
         """Settled for good (acked, dead-lettered, or gone with its queue)."""
 
+    def claim_turn(self) -> int:
+        """Odd while a claim runs (until its AMQP rows are read ahead); each claim adds 2.
+        A count of pending rows that no claim overlapped adds up with the read-ahead."""
+
+    async def between_claims(self) -> int:
+        """Once no claim runs: the claim turn then (even)."""
+
 
 class NoDispatch:
     """A listener without a dispatcher (tests): nothing claims, nothing to tell."""
@@ -73,6 +80,12 @@ class NoDispatch:
 
     def consumed(self, stage: str, ids: list[int]) -> None:
         pass
+
+    def claim_turn(self) -> int:
+        return 0
+
+    async def between_claims(self) -> int:
+        return 0
 
 
 def id_array(ids: Iterable[int]) -> str:
