@@ -757,3 +757,52 @@ def test_a_count_that_a_claim_overlapped_is_taken_again(
     broker.run(lambda: setattr(catalogue, "message_count", overlapped))
     assert channel.queue_declare("recount", passive=True).method.message_count == 2
     assert calls == ["amqp:/:recount"] * 2
+
+
+def test_a_purge_waits_for_a_claim_under_way_and_takes_what_it_read_ahead(
+    amqp: Callable[[], pika.BlockingConnection], conn: Conn, broker: DispatcherThread
+) -> None:
+    """The rows of a claim under way are running in SQL and not read ahead yet: a purge
+    then would miss them, and they would reach the consumer after it. The purge waits
+    for the claim, then drops what it read ahead."""
+    purger = amqp().channel()
+    purger.queue_declare("racing")
+    publish(purger, "racing", [b"%d" % i for i in range(20)])
+    dispatcher = broker.dispatcher
+    stage = "amqp:/:racing"
+    gate = asyncio.Event()
+    claimed = threading.Event()
+    run_once = dispatcher.claimer.run_once
+
+    async def gated(c: Any, capacities: dict[str, int], *rest: Any) -> Any:
+        rows = await run_once(c, capacities, *rest)
+        if any(row.stage == stage for row in rows) and not gate.is_set():
+            claimed.set()  # taken in SQL, not read ahead yet
+            await gate.wait()
+        return rows
+
+    link = dispatcher.amqp_broker.deliverer.link  # type: ignore[union-attr]
+    between = link.between_claims
+    waiting = threading.Event()
+
+    async def purge_waits() -> int:
+        waiting.set()
+        return await between()
+
+    broker.run(lambda: setattr(dispatcher.claimer, "run_once", gated))
+    broker.run(lambda: setattr(link, "between_claims", purge_waits))
+    consumer = amqp()
+    channel = consumer.channel()
+    channel.basic_qos(prefetch_count=1)
+    channel.basic_consume("racing", lambda *_: None)  # its credit asks for a claim
+    wait_until(claimed.is_set, what="the claim under way")
+    purged: list[int] = []
+    thread = threading.Thread(
+        target=lambda: purged.append(purger.queue_purge("racing").method.message_count)
+    )
+    thread.start()
+    wait_until(waiting.is_set, what="the purge waiting for the claim")
+    broker.run(gate.set)
+    thread.join(timeout=30)
+    assert purged == [19]  # all but the one delivered to the consumer
+    wait_until(lambda: rows(conn, "racing") == {"running": 1}, what="the purge written")

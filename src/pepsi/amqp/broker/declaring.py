@@ -309,15 +309,24 @@ class DeclaringChannel(ChannelHandler):
             name = self._queue_name(str(method.queue))
             self._require(Access.READ, QUEUE, name)
             queue = self._existing_queue(await self.catalogue.view(self.vhost), name)
-            deliverer = self.broker.deliverer
             await self.in_order()
-            ahead = deliverer.drop_ready(queue.stage)  # read ahead: ready messages too
-            deliverer.ack(Delivery(wid, queue.stage, None, 0) for wid in ahead)
-            loading = deliverer.purge_loading(queue.stage)  # ... and those being loaded
-            count = await self.catalogue.purge_queue(queue.stage) + len(ahead) + loading
-            deliverer.link.changed(queue.stage)
+            # Between claims: the rows of a claim under way are not read ahead yet, and
+            # would outlive the purge (a claim that starts during the DELETE still may).
+            link = self.broker.deliverer.link
+            await link.between_claims()
+            count = self._drop_read_ahead(queue.stage)
+            count += await self.catalogue.purge_queue(queue.stage)
+            link.changed(queue.stage)
         if not method.nowait:
             self._reply(methods.build_method(commands.Queue.PurgeOk, message_count=count))
+
+    def _drop_read_ahead(self, stage: str) -> int:
+        """queue.purge: the read-ahead is ready messages too, and those being loaded: gone
+        (acknowledged), how many."""
+        deliverer = self.broker.deliverer
+        ahead = deliverer.drop_ready(stage)
+        deliverer.ack(Delivery(wid, stage, None, 0) for wid in ahead)
+        return len(ahead) + deliverer.purge_loading(stage)
 
     async def queue_delete(self, method: commands.Queue.Delete) -> None:
         with self._method(method):
