@@ -17,6 +17,7 @@ from pamqp import base, commands
 from pepsi.amqp.auth.permissions import Access
 from pepsi.amqp.broker.catalogue import Catalogue, Queue, VhostView
 from pepsi.amqp.broker.consume.consuming import stage_queue_text
+from pepsi.amqp.broker.consume.state import count_between_claims
 from pepsi.amqp.model.arguments import parse_queue_arguments
 from pepsi.amqp.model.consumers import Delivery
 from pepsi.amqp.model.exchanges import (
@@ -44,8 +45,6 @@ from pepsi.amqp.wire.replies import ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAIL
 if TYPE_CHECKING:
     from pepsi.amqp.broker.consume.delivery import Deliverer
     from pepsi.amqp.broker.expiry import Expiry
-
-COUNT_TRIES = 3  # declare-ok's count taken again while claims overlap it, at most so often
 
 
 class Broker(Protocol):
@@ -255,16 +254,7 @@ class DeclaringChannel(ChannelHandler):
         known = link.known_pending(stage)
         if known is not None:
             return known
-        # The caller adds the read-ahead: a claim that ran while this counted may have read
-        # ahead rows the count saw pending (a thousand too many, with busy consumers). So
-        # the count is taken between claims, and again if one ran meanwhile.
-        count = 0
-        for _ in range(COUNT_TRIES):
-            turn = await link.between_claims()
-            count = await self.catalogue.message_count(stage)
-            if link.claim_turn() == turn:
-                break
-        return count
+        return await count_between_claims(link, lambda: self.catalogue.message_count(stage))
 
     async def _queue_binding(
         self, method: commands.Queue.Bind | commands.Queue.Unbind, *, bind: bool

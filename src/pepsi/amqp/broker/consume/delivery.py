@@ -30,7 +30,7 @@ from pepsi.amqp.broker.consume.fetched import Fetched, fetched_row
 from pepsi.amqp.broker.consume.pump import Pump
 from pepsi.amqp.broker.consume.readahead import ReadAhead
 from pepsi.amqp.broker.consume.settle import Settle
-from pepsi.amqp.broker.consume.state import quorum_queue
+from pepsi.amqp.broker.consume.state import count_between_claims, quorum_queue
 from pepsi.db.queries import query
 
 
@@ -59,11 +59,9 @@ class Deliverer(ReadAhead, Pump, Settle):
         stage = queue.stage
         ahead = self.take_ready(stage)
         if ahead is not None:  # consumers read ahead: the head of the queue is here
-            conn = await self._connection("fetch")
-            cur = await conn.execute(query("amqp_queue_message_count"), {"stage": stage})
-            row = await cur.fetchone()
-            return ahead, (int(row[0]) if row else 0) + self.ready_count(stage)
+            return ahead, await self._pending(stage) + self.ready_count(stage)
         while True:
+            turn = await self.link.between_claims()  # its count, with the read-ahead's
             conn = await self._connection("fetch")
             try:
                 async with conn.transaction():
@@ -79,9 +77,23 @@ class Deliverer(ReadAhead, Pump, Settle):
             self.link.changed(stage)  # a pending row taken, not by the dispatcher's claim
             fetched = fetched_row(row, queue.name, quorum_queue(queue))
             if not fetched.expired(self.clock()):
-                return fetched, max(int(row[11]), 0) + self.ready_count(stage)
+                pending = max(int(row[11]), 0)
+                if self.link.claim_turn() != turn:  # a claim ran meanwhile: counted again
+                    pending = await self._pending(stage)
+                return fetched, pending + self.ready_count(stage)
             self._outcomes.dead.append((queue.stage, fetched.wid, "expired"))
             self._settle_soon()
+
+    async def _pending(self, stage: str) -> int:
+        """The stage's pending rows, counted between claims (`count_between_claims`)."""
+
+        async def count() -> int:
+            conn = await self._connection("fetch")
+            cur = await conn.execute(query("amqp_queue_message_count"), {"stage": stage})
+            row = await cur.fetchone()
+            return int(row[0]) if row else 0
+
+        return await count_between_claims(self.link, count)
 
     # ---- tasks --------------------------------------------------------------------------
 

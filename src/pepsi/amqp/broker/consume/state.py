@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 import psycopg
@@ -28,6 +28,7 @@ from pepsi.db.connect import connect_async
 from pepsi.db.queries import query
 
 APPLICATION_NAME = "pepsi-amqp-delivery"
+COUNT_TRIES = 3  # a count of pending rows taken again while claims overlap it, at most
 
 AConn = psycopg.AsyncConnection[tuple[Any, ...]]
 
@@ -92,6 +93,20 @@ def id_array(ids: Iterable[int]) -> str:
     """A bigint[] literal: psycopg dumps a list element by element in Python, thousands
     of times a second here; one string is cheaper and means the same to `::bigint[]`."""
     return "{" + ",".join(map(str, ids)) + "}"
+
+
+async def count_between_claims(link: DispatchLink, count: Callable[[], Awaitable[int]]) -> int:
+    """`count()` of a stage's pending rows, taken while no claim runs, and again if one ran
+    meanwhile (at most COUNT_TRIES times). The caller adds the read-ahead: a claim that
+    ran while it counted may have moved rows it saw pending into the read-ahead, counted
+    twice then (a thousand too many, with busy consumers)."""
+    found = 0
+    for _ in range(COUNT_TRIES):
+        turn = await link.between_claims()
+        found = await count()
+        if link.claim_turn() == turn:
+            break
+    return found
 
 
 def quorum_queue(queue: Queue | None) -> bool:
