@@ -702,7 +702,7 @@ def test_declare_ok_counts_what_the_queue_holds_after_each_change(
     def found_empty() -> None:
         """A consumer comes, its claim finds the queue empty, it goes."""
         tag = channel.basic_consume("counted", lambda *_: None)
-        wait_until(lambda: broker.run(lambda: dispatcher.known.empty(stage)), what="a claim")
+        wait_until(lambda: broker.run(lambda: dispatcher.known.pending(stage) == 0), what="a claim")
         channel.basic_cancel(tag)
 
     def count() -> int:

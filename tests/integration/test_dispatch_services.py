@@ -464,7 +464,7 @@ def claims_after_news_of_a_drained_stage(
         try:
             await dispatcher.session.start_checks(["a"])
             await dispatcher.cycle()  # claims every pending row: the stage is drained
-            drained = dispatcher.known.empty("a")
+            drained = dispatcher.known.pending("a") == 0
             (worker,) = dispatcher.supervisor.pools["a"].workers.values()
             deadline = time.monotonic() + 30
             while worker.inflight and time.monotonic() < deadline:

@@ -362,8 +362,6 @@ class Dispatcher(Endpoints):
     def _count_wakeup(self) -> None:
         """P-9: each cause of this wakeup once; no cause means a deadline passed."""
         causes, self.wake_causes = self.wake_causes, set()
-        if not causes:  # a deadline: the sweeper's poll may make paused rows pending
-            self.known.heard()
         if self.stopping:
             return  # woken to stop: not a wakeup of the pipeline's
         for cause in decisions.wakeup_causes(causes, self.clock(), self.sweeper.next_poll):

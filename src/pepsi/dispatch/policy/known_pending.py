@@ -86,10 +86,6 @@ class KnownPending:
         """The stage's pending rows for sure (queue.declare's message_count asks), or None."""
         return None if self.news else self.counts.get(stage)
 
-    def empty(self, stage: str) -> bool:
-        """No pending row for sure."""
-        return self.pending(stage) == 0
-
     def room(self, capacities: Mapping[str, int]) -> dict[str, int]:
         """The capacities worth a claim now. Call it just before the claim: news that
         comes while the claim runs counts for the next one."""
