@@ -117,9 +117,12 @@ def test_lean_params_are_the_columns_a_publish_fills() -> None:
         ["q", "r"], ["m-1", None], ["alice", None], ["192.0.2.1", "::1"],
         ["text/plain", None], ["c-1", None], ['{"exchange": ""}', None], [None, None],
         [b"h1", None], [b"b1", b""], None,  # priorities: all 0, NULL
+        None,  # none written running (direct delivery)
     )  # fmt: skip
     prioritised = [rows[0]._replace(priority=5), rows[1]]
-    assert lean_params(prioritised)[-1] == [5, 0]  # type: ignore[index]
+    assert lean_params(prioritised)[-2] == [5, 0]  # type: ignore[index]
+    assert lean_params(rows, [False, True])[-1] == [False, True]  # type: ignore[index]
+    assert lean_params(rows, [False, False])[-1] is None  # type: ignore[index]
 
 
 @pytest.mark.parametrize("field", ["dedup", "sender", "recipients", "header_from", "subject"])

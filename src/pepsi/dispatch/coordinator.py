@@ -94,6 +94,7 @@ class Dispatcher(Endpoints):
         self.claimer = Claimer(fair, synchronous=config.postgres.worker_synchronous_commit)
         self.known = KnownPending()  # what each stage holds pending, where known (P-4, A-1)
         self.claim_turns = 0  # odd while a claim runs: see _AmqpLink.claim_turn
+        self.orphans_due = False  # running rows may be held by no one: reset them
         self.no_claim = asyncio.Event()  # set while no claim runs
         self.no_claim.set()
         self.sweeper = Sweeper(SweepOptions.from_config(config), self.stats, clock)
@@ -263,6 +264,9 @@ class Dispatcher(Endpoints):
             soonest = await self.rows.flush(conn, self.clock())
             if soonest is not None:
                 self.sweeper.due_in(soonest)
+        if self.orphans_due:
+            self.orphans_due = False
+            await self._reset_orphans()
         if await self.sweeper.run_once(conn):
             self.known.heard()  # its poll, or rows made pending: whatever woke the loop
         await self.supervisor.isolate()
@@ -342,10 +346,32 @@ class Dispatcher(Endpoints):
         written, then rows nobody holds are reset (P-2)."""
         await self.rows.database_back(conn, self.clock())
         await self.rows.flush(conn, self.clock())
-        held = self.supervisor.held() + self.ledger.held()
-        if self.amqp_broker is not None:
-            held += self.amqp_broker.deliverer.held()
-        await self.session.reset_orphans(held)
+        await self._reset_orphans()
+
+    async def _reset_orphans(self) -> None:
+        """Running rows that nobody here holds go back to pending (P-2). No AMQP publish
+        writes rows running for consumers meanwhile (they are held only once committed)."""
+        broker = self.amqp_broker
+        async with contextlib.AsyncExitStack() as stack:
+            if broker is not None:
+                try:
+                    await stack.enter_async_context(
+                        broker.batcher.direct_paused(self.config.postgres.connect_timeout)
+                    )
+                except TimeoutError:  # a publish's commit hangs: at a later cycle
+                    log.warning("an AMQP publish is still being written; orphans reset later")
+                    self.orphans_due = True
+                    return
+            held = self.supervisor.held() + self.ledger.held()
+            if broker is not None:
+                held += broker.deliverer.held()
+            await self.session.reset_orphans(held)
+
+    def _orphans_possible(self) -> None:
+        """An AMQP publish that wrote rows running lost its connection: they may be
+        committed, and held by no one."""
+        self.orphans_due = True
+        self.wake_event.set()
 
     def sleep_time(self) -> float:
         return decisions.sleep_time(

@@ -36,6 +36,7 @@ class _AmqpLink:
         self.dispatcher = dispatcher
         self.returned = dispatcher.ledger.returned
         self.consumed = dispatcher.ledger.consumed
+        self.direct = dispatcher.ledger.claimed_direct
 
     def wake(self, cause: str) -> None:
         # consumers are workers to the statistics (P-9); "credit" brings no pending row
@@ -73,6 +74,8 @@ class Endpoints:
     no_claim: asyncio.Event
 
     def wake(self, cause: str, *, news: bool | Mapping[str, int | None] = True) -> None: ...
+
+    def _orphans_possible(self) -> None: ...
 
     def _serve_metrics(self) -> MetricsServer | None:
         address = self.config.dispatch.metrics_address
@@ -116,6 +119,9 @@ class Endpoints:
         self.amqp_broker.deliverer.link = _AmqpLink(self)
         # AMQP publishes are written by this process: they wake this loop, not NOTIFY (P-3)
         self.amqp_broker.batcher.on_committed = lambda rows: self.wake("notify", news=rows)
+        # rows for waiting consumers are written running by their publish (direct delivery)
+        self.amqp_broker.batcher.direct = self.amqp_broker.deliverer
+        self.amqp_broker.batcher.on_orphans = self._orphans_possible
         await self.amqp_broker.drop_transient()
         await self.amqp_broker.declare_entries()
         try:

@@ -60,6 +60,12 @@ class InFlight:
             self.stats.count("claims")
             self.stats.count("claimed", n)
 
+    def claimed_direct(self, count: int) -> None:
+        """An AMQP publish wrote `count` rows running for waiting consumers: claimed
+        without a claim (no sender debited: nothing was pending for the stage)."""
+        self.claimed_total += count
+        self.stats.count("claimed", count)
+
     def requeue(self, stage: str, ids: Iterable[int]) -> None:
         """Back to pending without having run: the sender's debit is refunded."""
         ids = list(ids)

@@ -250,8 +250,9 @@ SELECT pepsi.workqueue_publish_one(%b::text, %b::bytea, %b::bytea)
 SELECT pepsi.workqueue_publish_one($1::text, $2::bytea, $3::bytea)
 
 -- name: amqp_publish
--- The AMQP listener's batch for queues without a length limit (pepsi.amqp_publish).
-SELECT pepsi.amqp_publish(%b::text[], %b::text[], %b::text[], %b::inet[], %b::text[], %b::text[], %b::jsonb[], %b::timestamptz[], %b::bytea[], %b::bytea[], %b::smallint[])
+-- The AMQP listener's batch for queues without a length limit (pepsi.amqp_publish);
+-- the ids of the rows written running for waiting consumers (direct delivery), in order.
+SELECT * FROM pepsi.amqp_publish(%b::text[], %b::text[], %b::text[], %b::inet[], %b::text[], %b::text[], %b::jsonb[], %b::timestamptz[], %b::bytea[], %b::bytea[], %b::smallint[], %b::boolean[])
 
 -- name: database_exists
 -- The embedded server's first start: is the `pepsi` database there yet?

@@ -607,7 +607,9 @@ $$;
 -- element, in the order given. The rest of workqueue_publish's work, and the
 -- five arrays of NULLs it would be sent, cost about a fifth of a publish. No
 -- NOTIFY (migration 0017): its only caller is the dispatcher's own process, whose
--- batcher wakes the dispatcher's loop itself after the commit (P-3).
+-- batcher wakes the dispatcher's loop itself after the commit (P-3). The rows that
+-- `running` marks are written running, for consumers that wait for them (direct
+-- delivery, 0035): their ids come back, in the order given.
 CREATE FUNCTION pepsi.amqp_publish(
     stages text[],
     message_ids text[],
@@ -619,31 +621,38 @@ CREATE FUNCTION pepsi.amqp_publish(
     expires timestamptz[],
     headers bytea[],
     bodies bytea[],
-    priorities smallint[] DEFAULT NULL
-) RETURNS void
+    priorities smallint[] DEFAULT NULL,
+    running boolean[] DEFAULT NULL
+) RETURNS SETOF bigint
 LANGUAGE sql AS $$
     SELECT set_config('synchronous_commit', 'on', true);
     WITH input AS (
-        SELECT u.*, CASE WHEN u.header IS NOT NULL OR u.body IS NOT NULL
-                         THEN nextval('pepsi.workqueue_body_body_id_seq') END AS new_body_id
+        SELECT u.*, nextval('pepsi.workqueue_workqueue_id_seq') AS new_id,
+               CASE WHEN u.header IS NOT NULL OR u.body IS NOT NULL
+                    THEN nextval('pepsi.workqueue_body_body_id_seq') END AS new_body_id
         FROM unnest(stages, message_ids, origin_users, origin_peers, content_types,
-                    correlation_ids, properties, expires, headers, bodies, priorities)
+                    correlation_ids, properties, expires, headers, bodies, priorities,
+                    running)
              WITH ORDINALITY
              AS u(stage, message_id, origin_user, origin_peer, content_type, correlation_id,
-                  properties, expires, header, body, priority, ord)
+                  properties, expires, header, body, priority, running, ord)
     ), stored_bodies AS (
         INSERT INTO pepsi.workqueue_body (body_id, header, body) OVERRIDING SYSTEM VALUE
         SELECT i.new_body_id, i.header, i.body FROM input i WHERE i.new_body_id IS NOT NULL
+    ), stored_rows AS (
+        INSERT INTO pepsi.workqueue
+            (workqueue_id, stage, status, message_id, origin_user, origin_peer, content_type,
+             correlation_id, properties, expires, body_id, sender_key, priority)
+        SELECT i.new_id, i.stage,
+               CASE WHEN i.running THEN 'running' ELSE 'pending' END::pepsi.workqueue_status,
+               i.message_id, i.origin_user, i.origin_peer, i.content_type,
+               i.correlation_id, coalesce(i.properties, '{}'), i.expires, i.new_body_id,
+               pepsi.workqueue_sender_key(i.origin_user, i.origin_peer, NULL, '{}'),
+               coalesce(i.priority, 0)
+        FROM input i
+        ORDER BY i.ord
     )
-    INSERT INTO pepsi.workqueue
-        (stage, message_id, origin_user, origin_peer, content_type, correlation_id,
-         properties, expires, body_id, sender_key, priority)
-    SELECT i.stage, i.message_id, i.origin_user, i.origin_peer, i.content_type,
-           i.correlation_id, coalesce(i.properties, '{}'), i.expires, i.new_body_id,
-           pepsi.workqueue_sender_key(i.origin_user, i.origin_peer, NULL, '{}'),
-           coalesce(i.priority, 0)
-    FROM input i
-    ORDER BY i.ord
+    SELECT i.new_id FROM input i WHERE i.running ORDER BY i.ord
 $$;
 
 -- The n-th strike pauses the row for delays[n] seconds; the third (the

@@ -199,6 +199,7 @@ class Broker:
     async def close(self) -> None:
         """After the server stopped: commit what is queued, then close the connections."""
         await self.expiry.close()  # before the deliverer: it writes what expiry handed over
+        await self.batcher.stop_direct()  # rows being written for consumers: handed over
         await self.deliverer.close()
         await self.batcher.close()
         if self._tasks:

@@ -46,7 +46,7 @@ class ReadAhead(DelivererState):
         for stage, target in self.registry.targets(self.single_active).items():
             if self._returning.get(stage):
                 continue  # after they are written: they come first again
-            have = len(self.ready.get(stage, ())) + self._loading.get(stage, 0)
+            have = self._have(stage)
             if have * 2 <= target and self._ready_bytes.get(stage, 0) < READ_AHEAD_BYTES:
                 caps[stage] = target - have
         return caps
@@ -68,6 +68,68 @@ class ReadAhead(DelivererState):
         if len(loaded) == len(claimed) and not self._loads_pending():
             self.loaded_with_claim += len(claimed)
             for stage in self._load(claimed, loaded):
+                self.pump(stage)
+            return
+        self._claimed += claimed
+        self._start()
+        self._fetch_wake.set()
+
+    def _have(self, stage: str) -> int:
+        """The stage's rows read ahead, loading, or being written for it (direct)."""
+        return (
+            len(self.ready.get(stage, ()))
+            + self._loading.get(stage, 0)
+            + self._reserved.get(stage, 0)
+        )
+
+    # ---- direct delivery (publish/direct.py) ---------------------------------------------
+
+    def direct_room(self) -> dict[str, int]:
+        """Rows of a publish that each consumed stage takes without a claim, written
+        running: what its read-ahead lacks of its target, where the dispatcher knows
+        that nothing is pending (an older row goes first) and nothing goes back."""
+        if self._closing:
+            return {}
+        room: dict[str, int] = {}
+        for stage, target in self.registry.targets(self.single_active).items():
+            if self._returning.get(stage) or self._ready_bytes.get(stage, 0) >= READ_AHEAD_BYTES:
+                continue
+            free = target - self._have(stage)
+            if free > 0 and self.link.known_pending(stage) == 0:
+                room[stage] = free
+        return room
+
+    def reserve_direct(self, taken: Mapping[str, int]) -> dict[str, int]:
+        """Hold room for rows about to be written running; the stages' epochs now (a row
+        that goes back meanwhile is older: the direct rows then follow it)."""
+        for stage, n in taken.items():
+            self._reserved[stage] = self._reserved.get(stage, 0) + n
+        return {stage: self._epoch.get(stage, 0) for stage in taken}
+
+    def release_direct(self, taken: Mapping[str, int]) -> None:
+        """The reservation ends: committed (then `deliver_direct`) or not."""
+        for stage, n in taken.items():
+            left = self._reserved.get(stage, 0) - n
+            if left > 0:
+                self._reserved[stage] = left
+            else:
+                self._reserved.pop(stage, None)
+
+    def deliver_direct(
+        self, rows: Sequence[tuple[int, str, Sequence[Any]]], epochs: Mapping[str, int]
+    ) -> None:
+        """Rows committed running for the consumers, as a claim's loaded rows: into the
+        read-ahead, and sent; behind a load under way (it holds older rows), loaded
+        again after it."""
+        claimed = [(wid, stage, epochs.get(stage, 0)) for wid, stage, _ in rows]
+        for _, stage, _ in rows:
+            self._loading[stage] = self._loading.get(stage, 0) + 1
+        if not claimed:
+            return
+        self.direct_rows += len(claimed)
+        self.link.direct(len(claimed))
+        if not self._loads_pending():
+            for stage in self._load(claimed, {wid: row for wid, _, row in rows}):
                 self.pump(stage)
             return
         self._claimed += claimed

@@ -56,6 +56,9 @@ class DispatchLink(Protocol):
     def consumed(self, stage: str, ids: list[int]) -> None:
         """Settled for good (acked, dead-lettered, or gone with its queue)."""
 
+    def direct(self, count: int) -> None:
+        """Rows a publish wrote running for consumers (direct delivery): claimed too."""
+
     def claim_turn(self) -> int:
         """Odd while a claim runs (until its AMQP rows are read ahead); each claim adds 2.
         A count of pending rows that no claim overlapped adds up with the read-ahead."""
@@ -80,6 +83,9 @@ class NoDispatch:
         pass
 
     def consumed(self, stage: str, ids: list[int]) -> None:
+        pass
+
+    def direct(self, count: int) -> None:
         pass
 
     def claim_turn(self) -> int:
@@ -144,6 +150,7 @@ class DelivererState:
         self.dead_letter_route: DeadLetterRoute | None = None
         self.delivered = 0  # messages sent (tests, the benchmark)
         self.loaded_with_claim = 0  # rows the claim brought loaded: no load of their own
+        self.direct_rows = 0  # rows a publish wrote running for consumers: no claim
         self.ready: dict[str, deque[Fetched]] = {}  # stage -> read ahead, not yet sent
         self._ready_bytes: dict[str, int] = {}
         self._claimed: list[tuple[int, str, int]] = []  # (id, stage, epoch) to be loaded
@@ -155,6 +162,9 @@ class DelivererState:
         # Per stage: rows claimed before this epoch were purged while their load ran.
         self._purged: dict[str, int] = {}
         self._loading: dict[str, int] = {}  # per stage: claimed, not in `ready` yet
+        # per stage: rows of a publish being written running for its consumers (direct
+        # delivery, publish/direct.py), not committed yet
+        self._reserved: dict[str, int] = {}
         self._outcomes = Outcomes()
         self._barriers: list[asyncio.Future[None]] = []  # flush() callers
         self._fetch_wake = asyncio.Event()

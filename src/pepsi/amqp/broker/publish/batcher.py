@@ -21,9 +21,15 @@ a savepoint of its own, and if the function refuses it (SQLSTATE PP001),
 again one row at a time, so only the publishes that do not fit are refused
 (`basic.nack`), as RabbitMQ does, and the rest of the batch commits.
 
+Rows for a queue whose consumers wait for them, with nothing pending, are written
+`running` by that statement and handed to the consumers after the commit, before
+the confirms (direct delivery: `publish.direct`, `Deliverer.direct_room`).
+
 If the transaction fails (connection lost, commit refused), every unit of it
 fails: the broker nacks confirm publishes and closes non-confirm channels'
-connections. The connection is then opened again, by `pepsi.db.backoff`.
+connections. The connection is then opened again, by `pepsi.db.backoff`. A
+connection lost while rows were written running may have committed them: the
+dispatcher is told (`on_orphans`), and puts back what no consumer holds.
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from typing import Any, Final
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Final, Literal
 
 import psycopg
 
-from pepsi.amqp.broker.publish import arrays
+from pepsi.amqp.broker.publish import arrays, direct
+from pepsi.amqp.broker.publish.direct import Direct, DirectTarget
 from pepsi.amqp.broker.publish.params import LEAN_BODIES, LEAN_SQL, call_params, lean_params, split
 from pepsi.amqp.broker.publish.units import Limit, Unit, rows_per_stage
 from pepsi.db.backoff import Backoff
@@ -82,6 +89,14 @@ class Batcher:
         self.on_committed: Callable[[dict[str, int | None]], None] = lambda rows: None
         self._down = False
         self._blocked: str | None = None
+        # direct delivery: rows for waiting consumers written running (None: never)
+        self.direct: DirectTarget | None = None
+        # after a lost connection while rows were written running (they may be)
+        self.on_orphans: Callable[[], None] = lambda: None
+        self._routes: dict[str, tuple[str, str] | None] = {}  # properties JSON -> route
+        self._direct_paused = 0
+        self._direct_idle = asyncio.Event()  # no commit with direct rows under way
+        self._direct_idle.set()
         self._submitted = 0  # units submitted ...
         self._reported = 0  # ... and reported, in the same (FIFO) order
         self._barriers: list[tuple[int, asyncio.Future[None]]] = []
@@ -128,6 +143,27 @@ class Batcher:
             self._room.clear()
             self._tell_blocked()
         self._wake.set()
+
+    @contextlib.asynccontextmanager
+    async def direct_paused(self, timeout: float) -> AsyncIterator[None]:
+        """No rows written running meanwhile, and none under way (waited for at most
+        `timeout` seconds, else TimeoutError): the dispatcher puts back the running rows
+        nobody holds."""
+        self._direct_paused += 1
+        try:
+            async with asyncio.timeout(timeout):
+                await self._direct_idle.wait()
+            yield
+        finally:
+            self._direct_paused -= 1
+
+    async def stop_direct(self) -> None:
+        """No more rows written running for consumers; those under way handed over (the
+        deliverer closes next, and puts back what it holds)."""
+        self._direct_paused += 1
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.connect_timeout):
+                await self._direct_idle.wait()
 
     @property
     def has_room(self) -> bool:
@@ -195,7 +231,7 @@ class Batcher:
         (not a lost connection), each unit again alone, so that one publish the
         database cannot take does not cost the others their confirm."""
         try:
-            await self._commit(units)
+            sent = await self._commit(units)
         except psycopg.Error as error:
             if len(units) > 1 and not isinstance(error, psycopg.OperationalError):
                 log.warning("amqp: a publish batch was refused (%s); retrying it unit by unit",
@@ -217,12 +253,29 @@ class Batcher:
                 self._down = False
                 self._tell_blocked()
             self.commits += 1
+            if sent is not None:
+                self._deliver(sent)  # the consumers first: they wait for these rows
             for unit in units:
                 self._report(unit, None)
-            try:
-                self.on_committed(rows_per_stage(units))
-            except Exception:
-                log.exception("amqp: waking the dispatcher after a publish failed")
+            pending = rows_per_stage(units, None if sent is None else sent.taken)
+            if pending:
+                try:
+                    self.on_committed(pending)
+                except Exception:
+                    log.exception("amqp: waking the dispatcher after a publish failed")
+
+    def _deliver(self, sent: Direct) -> None:
+        """Rows committed running go to their consumers."""
+        target = self.direct
+        assert target is not None
+        try:
+            target.release_direct(sent.taken)
+            target.deliver_direct(sent.rows, sent.epochs)
+        except Exception:  # a bug: the rows are running and held by no one
+            log.exception("amqp: handing published rows to their consumers failed")
+            self.on_orphans()
+        finally:
+            self._direct_idle.set()
 
     async def _failed(self, units: list[Unit], error: BaseException) -> None:
         log.error(
@@ -254,10 +307,11 @@ class Batcher:
                     waiter.set_result(None)
             self._barriers = keep
 
-    async def _commit(self, units: list[Unit]) -> None:
+    async def _commit(self, units: list[Unit]) -> Direct | None:
+        """Write `units` in one transaction; the rows written running for consumers."""
         items = [item for unit in units for item in unit.items]
         if not any(item.rows for item in items):
-            return  # only unroutable publishes: nothing to write, settled in their order
+            return None  # only unroutable publishes: nothing to write, settled in order
         if self._conn is None or self._conn.closed:
             self._conn = await connect_async(
                 self.dsn, application_name=APPLICATION_NAME, timeout=self.connect_timeout
@@ -268,12 +322,12 @@ class Batcher:
         if not guarded:
             # One statement is its own transaction (the connection is in autocommit): one
             # round trip per batch instead of BEGIN, the call and COMMIT.
-            lean = None if free_limits else lean_params(free)
-            if lean is not None:
-                await conn.execute(LEAN_SQL, arrays.pack_columns(lean, keep=LEAN_BODIES))
-            else:
-                await conn.execute(PUBLISH_SQL, call_params(free, free_limits))
-            return
+            if not free_limits:
+                written = await self._write_lean(conn, free)
+                if written is not False:
+                    return written
+            await conn.execute(PUBLISH_SQL, call_params(free, free_limits))
+            return None
         async with conn.transaction():
             if free:
                 await conn.execute(PUBLISH_SQL, call_params(free, free_limits))
@@ -284,6 +338,41 @@ class Batcher:
                 for item, row in pairs:  # the stage is full: as much as fits, in order
                     if not await self._try(conn, [row], limit):
                         item.refused = True
+        return None
+
+    async def _write_lean(
+        self, conn: psycopg.AsyncConnection[tuple[Any, ...]], rows: list[Row]
+    ) -> Direct | Literal[False] | None:
+        """`rows` by `pepsi.amqp_publish`, those consumers wait for written running (the
+        Direct to hand them over after the commit); False when a row needs the general
+        function (nothing written)."""
+        target = None if self._direct_paused else self.direct
+        room = target.direct_room() if target is not None else {}
+        flags, taken = direct.choose(rows, room, self._routes) if room else ([], {})
+        lean = lean_params(rows, flags if taken else None)
+        if lean is None:
+            return False
+        params = arrays.pack_columns(lean, keep=LEAN_BODIES)
+        if target is None or not taken:
+            await conn.execute(LEAN_SQL, params)
+            return None
+        epochs = target.reserve_direct(taken)
+        self._direct_idle.clear()
+        try:
+            cur = await conn.execute(LEAN_SQL, params)
+            ids = [int(r[0]) for r in await cur.fetchall()]
+        except BaseException as error:
+            target.release_direct(taken)
+            self._direct_idle.set()
+            if not isinstance(error, psycopg.Error) or isinstance(error, psycopg.OperationalError):
+                self.on_orphans()  # the commit's outcome is not known: rows may be running
+            raise
+        chosen = [row for row, flag in zip(rows, flags, strict=True) if flag]
+        sent: list[tuple[int, str, tuple[Any, ...]]] = []
+        for wid, row in zip(ids, chosen, strict=True):
+            exchange, key = direct.route(row.properties, self._routes) or ("", row.stage)
+            sent.append((wid, row.stage, direct.delivery(wid, row, exchange, key)))
+        return Direct(taken, epochs, sent)
 
     @staticmethod
     async def _try(

@@ -47,9 +47,12 @@ def call_params(rows: Sequence[Row], limits: dict[str, Limit]) -> tuple[Any, ...
     )
 
 
-def lean_params(rows: Sequence[Row]) -> tuple[Any, ...] | None:
+def lean_params(
+    rows: Sequence[Row], running: Sequence[bool] | None = None
+) -> tuple[Any, ...] | None:
     """The arguments of `pepsi.amqp_publish` for `rows`, or None when a row carries a
-    field only `pepsi.workqueue_publish` takes (dedup or an envelope field)."""
+    field only `pepsi.workqueue_publish` takes (dedup or an envelope field). `running`:
+    which rows are written running, for consumers that wait (None: none)."""
     columns = list(zip(*rows, strict=True))
     if any(columns[_DEDUP]):
         return None
@@ -60,7 +63,7 @@ def lean_params(rows: Sequence[Row]) -> tuple[Any, ...] | None:
     lean = [list(columns[i]) for i in _LEAN_FIELDS]
     if not any(columns[_PRIORITY]):
         lean[-1] = None  # type: ignore[call-overload]  # NULL: all 0, nothing to send
-    return tuple(lean)
+    return (*lean, list(running) if running is not None and any(running) else None)
 
 
 def split(

@@ -7,7 +7,7 @@ tx.commit. The batcher reports each unit's outcome once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pepsi.publishing.message import Row
@@ -56,10 +56,13 @@ class Unit:
         self.rows, self.size = rows, size
 
 
-def rows_per_stage(units: Iterable[Unit]) -> dict[str, int | None]:
+def rows_per_stage(
+    units: Iterable[Unit], direct: Mapping[str, int] | None = None
+) -> dict[str, int | None]:
     """The pending rows a commit of `units` made, per stage; None where not known: a stage
     with a length limit (the publish function may drop or refuse rows there) or a row
-    with deduplication (it may have been a duplicate)."""
+    with deduplication (it may have been a duplicate). `direct`: rows per stage written
+    running for consumers instead (not pending; a stage left with none is left out)."""
     counts: dict[str, int | None] = {}
     for unit in units:
         for item in unit.items:
@@ -69,6 +72,13 @@ def rows_per_stage(units: Iterable[Unit]) -> dict[str, int | None]:
                     counts[row.stage] = None
                 else:
                     counts[row.stage] = known + 1
+    for stage, n in (direct or {}).items():
+        known = counts.get(stage)
+        if known is not None:
+            if known > n:
+                counts[stage] = known - n
+            else:
+                del counts[stage]
     return counts
 
 

@@ -1,0 +1,104 @@
+"""Direct delivery (issue 36): a publish to a queue whose consumers wait, with nothing
+pending, is written running and sent when its commit returns, without a claim; a
+returned message still comes first; rows a lost commit may have left running go back.
+pika against a real dispatcher in this process."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pika
+import psycopg
+from psycopg.types.json import Jsonb
+
+from pepsi.amqp.broker.publish.columns import routing_json
+from pepsi.db.queries import query
+from tests.integration.amqp_dispatcher import DispatcherThread, connect, open_channel, rows
+from tests.scenarios.conftest import wait_until
+
+Conn = psycopg.Connection[Any]
+QUEUE = "direct"
+STAGE = f"amqp:/:{QUEUE}"
+
+
+def known_empty(broker: DispatcherThread) -> bool:
+    """The dispatcher knows the queue has nothing pending (a claim found it empty)."""
+    return broker.run(lambda: broker.dispatcher.known.pending(STAGE)) == 0
+
+
+def consumer(broker: DispatcherThread, prefetch: int) -> tuple[Any, Any, list[Any]]:
+    """A connection, channel and the deliveries of a consumer on QUEUE (manual acks)."""
+    connection = connect(broker)
+    channel = connection.channel()
+    channel.queue_declare(QUEUE)
+    channel.basic_qos(prefetch_count=prefetch)
+    got: list[Any] = []
+    channel.basic_consume(QUEUE, lambda ch, m, p, body: got.append((m, body)))
+    return connection, channel, got
+
+
+def receive(connection: pika.BlockingConnection, got: list[Any], n: int) -> None:
+    def arrived() -> bool:
+        connection.process_data_events(time_limit=0.02)
+        return len(got) >= n
+
+    wait_until(arrived, what=f"{n} deliveries")
+
+
+def test_a_waiting_consumer_gets_publishes_without_a_claim(
+    broker: DispatcherThread, conn: Conn
+) -> None:
+    connection, channel, got = consumer(broker, prefetch=50)
+    wait_until(lambda: known_empty(broker), what="the queue known empty")
+    publisher = connect(broker)
+    sending = open_channel(publisher)
+    for i in range(20):
+        sending.basic_publish("", QUEUE, b"m%d" % i)  # confirmed: committed
+    receive(connection, got, 20)
+    assert [body for _, body in got] == [b"m%d" % i for i in range(20)]
+    assert not any(m.redelivered for m, _ in got)
+    assert broker.run(lambda: broker.deliverer.direct_rows) == 20
+    assert broker.run(lambda: broker.deliverer.loaded_with_claim) == 0  # no claim took one
+    assert rows(conn, QUEUE) == {"running": 20}  # unacked: the consumer's
+    for method, _ in got:
+        channel.basic_ack(method.delivery_tag)
+    wait_until(lambda: rows(conn, QUEUE) == {}, what="the acks written")
+    publisher.close()
+    connection.close()
+
+
+def test_a_returned_message_comes_before_one_published_after_it(broker: DispatcherThread) -> None:
+    connection, channel, got = consumer(broker, prefetch=1)
+    wait_until(lambda: known_empty(broker), what="the queue known empty")
+    publisher = connect(broker)
+    sending = open_channel(publisher)
+    sending.basic_publish("", QUEUE, b"first")
+    receive(connection, got, 1)
+    sending.basic_publish("", QUEUE, b"second")  # read ahead: no credit for it yet
+    channel.basic_nack(got[0][0].delivery_tag, requeue=True)
+    receive(connection, got, 2)
+    assert (got[1][1], got[1][0].redelivered) == (b"first", True)
+    channel.basic_ack(got[1][0].delivery_tag)
+    receive(connection, got, 3)
+    assert (got[2][1], got[2][0].redelivered) == (b"second", False)
+    channel.basic_ack(got[2][0].delivery_tag)
+    publisher.close()
+    connection.close()
+
+
+def test_rows_a_lost_commit_left_running_go_back_to_pending(
+    broker: DispatcherThread, conn: Conn
+) -> None:
+    # a queue's row written running, as by a publish whose connection was lost during
+    # its commit: no consumer holds it
+    declaring = connect(broker)
+    declaring.channel().queue_declare(QUEUE)
+    declaring.close()
+    props = Jsonb(json.loads(routing_json("", QUEUE)))  # what a publish writes
+    nothing: list[None] = [None]
+    args = ([STAGE], nothing, ["alice"], *[nothing] * 3, [props], nothing, nothing, [b"lost"])
+    conn.execute(query("amqp_publish"), (*args, None, [True]))  # [True]: written running
+    assert rows(conn, QUEUE) == {"running": 1}
+    broker.run(broker.dispatcher._orphans_possible)  # the batcher's hook
+    wait_until(lambda: rows(conn, QUEUE) == {"pending": 1}, what="the row put back")
