@@ -12,6 +12,11 @@ Cells, each for 1 KB and 10 KB bodies:
 - consume, prefetch 1 and prefetch 100: one consumer takes the N messages back with
   basic.qos(prefetch) and one basic.ack per message; from consume-ok to the last delivery.
 
+And idle latency (--latency-samples, 0 for none): one persistent 100-byte publish with
+a confirm every 20 ms, from just before basic_publish to the callback of a consumer
+(prefetch 1, its own connection, in a thread), median, p99 and max ms; the first 10 of
+each run are not counted.
+
 And a Celery cell: a Celery app (bench/amqp_celery.py) with `broker_url = amqp://...`, the
 `rpc://` result backend and task_acks_late=True, its worker a subprocess (`celery worker
 --pool prefork --concurrency 2`, started in a temp dir of its own, stopped with SIGTERM,
@@ -44,12 +49,14 @@ import contextlib
 import json
 import os
 import platform
+import queue as queue_module
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -65,6 +72,7 @@ HERE = Path(__file__).resolve().parent
 BODIES = {"1 KB": 1024, "10 KB": 10 * 1024}
 PREFETCHES = (1, 100)
 USER, PASSWORD = "bench", "bench-secret"
+LATENCY_WARM = 10  # the first publishes of a latency run, not counted
 
 
 @dataclass
@@ -449,6 +457,86 @@ def rabbitmq_broker(tmp: Path) -> Iterator[Broker | None]:
         stop(proc, timeout=30)
 
 
+def idle_latency(
+    broker: Broker, queue: str, arguments: dict[str, Any], samples: int
+) -> list[float]:
+    """`samples` publish-to-callback times in ms on an idle `queue` (see the module doc)."""
+    arrived: queue_module.Queue[float] = queue_module.Queue()
+    consuming = threading.Event()
+
+    def consume() -> None:
+        connection = pika.BlockingConnection(broker.params)
+        channel = connection.channel()
+        channel.queue_declare(queue, durable=True, arguments=arguments)
+        channel.basic_qos(prefetch_count=1)
+
+        def on_message(ch: Any, method: Any, _: Any, body: bytes) -> None:
+            arrived.put(time.perf_counter())
+            ch.basic_ack(method.delivery_tag)
+            if body == b"stop":
+                ch.stop_consuming()
+
+        channel.basic_consume(queue, on_message)
+        consuming.set()
+        channel.start_consuming()
+        connection.close()
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    if not consuming.wait(30):
+        raise RuntimeError(f"{broker.name}: the latency consumer did not start")
+    connection = pika.BlockingConnection(broker.params)
+    channel = connection.channel()
+    channel.confirm_delivery()
+    persistent = pika.BasicProperties(delivery_mode=2)
+    times: list[float] = []
+    for i in range(samples + LATENCY_WARM):
+        time.sleep(0.02)
+        start = time.perf_counter()
+        channel.basic_publish("", queue, b"x" * 100, persistent)
+        stamp = arrived.get(timeout=10)
+        if i >= LATENCY_WARM:
+            times.append((stamp - start) * 1000)
+    channel.basic_publish("", queue, b"stop", persistent)
+    arrived.get(timeout=10)
+    thread.join(timeout=10)
+    connection.close()
+    return times
+
+
+def latency_rep(
+    brokers: list[Broker], latencies: dict[str, list[list[float]]], samples: int
+) -> None:
+    for broker in brokers:
+        for system, arguments in broker.queues.items():
+            quiet(brokers)
+            name = "latency-" + system.lower().replace(" ", "-")
+            times = idle_latency(broker, name, arguments, samples)
+            latencies.setdefault(system, []).append(times)
+            print(f"  {system}, idle latency: {statistics.median(times):.2f} ms",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+
+def latency_summary(latencies: dict[str, list[list[float]]]) -> dict[str, Any]:
+    """Per system: the median over the reps of each rep's median, p99 and max (and the
+    reps' medians' range)."""
+    out: dict[str, Any] = {}
+    for system, reps in latencies.items():
+        stats = [sorted(times) for times in reps]
+        medians = [statistics.median(t) for t in stats]
+        out[system] = {
+            "median_ms": round(statistics.median(medians), 2),
+            "min_median_ms": round(min(medians), 2),
+            "max_median_ms": round(max(medians), 2),
+            "p99_ms": round(
+                statistics.median(t[min(len(t) - 1, int(len(t) * 0.99))] for t in stats), 2
+            ),
+            "max_ms": round(statistics.median(t[-1] for t in stats), 2),
+            "samples": sum(len(t) for t in stats),
+        }
+    return out
+
+
 # -- the run ---------------------------------------------------------------------------------
 
 
@@ -536,6 +624,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--celery-tasks", type=int, default=2000)
     parser.add_argument("--no-celery", action="store_true")
+    parser.add_argument("--latency-samples", type=int, default=200)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     cells: Cells = {}
@@ -545,8 +634,11 @@ def main() -> int:
         rabbitmq_broker(Path(tmp)) as rabbit,
     ):
         brokers = [pepsi] + ([rabbit] if rabbit else [])
+        latencies: dict[str, list[list[float]]] = {}
         for _ in range(args.reps):
             amqp_rep(brokers, cells, args)
+            if args.latency_samples > 0:
+                latency_rep(brokers, latencies, args.latency_samples)
         if not args.no_celery:
             with contextlib.ExitStack() as stack:
                 apps = [(b, stack.enter_context(celery_worker(b, Path(tmp)))) for b in brokers]
@@ -568,6 +660,7 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "load_avg": [round(x, 2) for x in os.getloadavg()],
         "cells": summary,
+        "latency": latency_summary(latencies),
         "rabbitmq": "RabbitMQ quorum" in summary,
     }
     text = json.dumps(result, indent=2, ensure_ascii=False)
@@ -576,8 +669,37 @@ def main() -> int:
     print(text)
     print()
     print(markdown(summary, args))
-    print("SUMMARY amqp " + summary_line(summary))
+    if result["latency"]:
+        print()
+        print(latency_markdown(result["latency"], args.latency_samples))
+    print("SUMMARY amqp " + summary_line(summary) + latency_line(result["latency"]))
     return 0
+
+
+def latency_markdown(latency: dict[str, Any], samples: int) -> str:
+    lines = [
+        f"Idle latency, publish with confirm → consumer (prefetch 1), {samples} samples"
+        " 20 ms apart a rep: ms, median over the reps (range of the reps' medians).",
+        "",
+        "| system | median | p99 | max |",
+        "|---|---:|---:|---:|",
+    ]
+    for system, c in latency.items():
+        lines.append(
+            f"| {system} | {c['median_ms']:.2f} ({c['min_median_ms']:.2f}–{c['max_median_ms']:.2f})"
+            f" | {c['p99_ms']:.1f} | {c['max_ms']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def latency_line(latency: dict[str, Any]) -> str:
+    """Pepsi's idle latency ÷ the best RabbitMQ queue type's ("" without both)."""
+    pepsi = latency.get("Pepsi")
+    rabbit = [c["median_ms"] for name, c in latency.items() if name.startswith("RabbitMQ")]
+    if not pepsi or not rabbit:
+        return ""
+    ratio = pepsi["median_ms"] / min(rabbit)
+    return f"; idle latency Pepsi {pepsi['median_ms']:.2f} ms = {ratio:.2f}x RabbitMQ"
 
 
 def summary_line(summary: dict[str, Any]) -> str:
