@@ -100,5 +100,7 @@ def test_rows_a_lost_commit_left_running_go_back_to_pending(
     args = ([STAGE], nothing, ["alice"], *[nothing] * 3, [props], nothing, nothing, [b"lost"])
     conn.execute(query("amqp_publish"), (*args, None, [True]))  # [True]: written running
     assert rows(conn, QUEUE) == {"running": 1}
-    broker.run(broker.dispatcher._orphans_possible)  # the batcher's hook
+    amqp = broker.dispatcher.amqp_broker
+    assert amqp is not None
+    broker.run(amqp.batcher.on_orphans)  # as the batcher calls it after such a loss
     wait_until(lambda: rows(conn, QUEUE) == {"pending": 1}, what="the row put back")
