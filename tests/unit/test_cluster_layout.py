@@ -38,6 +38,9 @@ def test_patroni_runs_quorum_commit_in_strict_mode() -> None:
     assert dcs["synchronous_mode_strict"] is True  # never confirm on one node
     assert dcs["synchronous_node_count"] == 1  # primary + 1 of 2 standbys = majority
     assert dcs["postgresql"]["use_pg_rewind"] is True
+    # an old primary whose rewind fails is cloned again rather than left stopped
+    assert dcs["postgresql"]["remove_data_directory_on_rewind_failure"] is True
+    assert dcs["postgresql"]["remove_data_directory_on_diverged_timelines"] is True
     assert config["name"] == "n2"
     assert config["postgresql"]["listen"] == "127.0.0.1:54412"
 

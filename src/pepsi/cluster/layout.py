@@ -154,6 +154,11 @@ class Layout:
                     "synchronous_node_count": 1,
                     "postgresql": {
                         "use_pg_rewind": True,
+                        # a rewind that fails leaves the old primary stopped: it is
+                        # cloned from the new one instead (its own commits were never
+                        # confirmed: the quorum commit is strict)
+                        "remove_data_directory_on_rewind_failure": True,
+                        "remove_data_directory_on_diverged_timelines": True,
                         "use_slots": True,
                         "parameters": {
                             "wal_level": "replica",
