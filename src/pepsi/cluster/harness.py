@@ -231,8 +231,21 @@ class Cluster:
                 ):
                     return
             if time.monotonic() > deadline:
-                raise ClusterError(f"{node} did not rejoin within {timeout:.0f}s")
+                states = [(m.name, m.role, m.state) for m in self.members()]
+                raise ClusterError(
+                    f"{node} did not rejoin within {timeout:.0f}s: {states}; the end of its"
+                    f" Patroni log:\n{self._log_tail(node)}"
+                )
             time.sleep(POLL)
+
+    def _log_tail(self, node: str, lines: int = 15) -> str:
+        """The last lines of `node`'s Patroni log (its directory may be gone by the time
+        someone reads a failed test's report)."""
+        try:
+            text = self.layout.log_file(node).read_text(errors="replace")
+        except OSError as exc:
+            return f"(unreadable: {exc})"
+        return "\n".join(text.splitlines()[-lines:])
 
     # -- internals -----------------------------------------------------------------
 
