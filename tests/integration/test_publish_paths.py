@@ -248,15 +248,18 @@ def test_amqp_batch_writes_what_the_general_path_writes(conn: Conn) -> None:
     assert len(lean) == len(slow) == 4
     got = rows(conn, lean)
     assert got == rows(conn, slow)
-    # as the batcher sends them: columns of one repeated value packed (amqp.broker.publish.arrays)
+    # as the batcher sends them: text and octets packed (amqp.broker.publish.arrays)
     arrays.register(conn)
-    for model, count in ((amqp_rows[0], 8), (amqp_rows[2], 9)):  # all set; mostly NULL
+    for model, count in ((amqp_rows[0], 9), (amqp_rows[2], 10)):  # all set; mostly NULL
         same = [model._replace(body=b"same")] * 3
         same_params = lean_params(same)
         assert same_params is not None
         packed = arrays.pack_columns(same_params, keep=9)
         assert sum(isinstance(c, arrays.PackedText | arrays.PackedBytea) for c in packed) == count
         assert rows(conn, written(LEAN_SQL, packed)) == rows(conn, written(LEAN_SQL, same_params))
+    mixed = arrays.pack_columns(params, keep=9)  # varying values, NULLs among them
+    assert all(isinstance(c, arrays.PackedText | arrays.PackedBytea) for c in mixed[:7])
+    assert rows(conn, written(LEAN_SQL, mixed)) == got
     assert [r[0] for r in got] == ["inbound", "other", "inbound", "other"]  # as given
     assert [r[14] for r in got] == ["user:alice", "ip:2001:db8:1:2::/64", "null:", "user:bob"]
     assert [r[-3:] for r in got] == [

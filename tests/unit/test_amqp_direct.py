@@ -111,17 +111,18 @@ def consumed(pending: dict[str, int | None]) -> tuple[Deliverer, Link, Channel]:
 
 def test_room_only_where_consumers_wait_and_nothing_is_pending() -> None:
     deliverer, _, _ = consumed({Q: 0})
-    assert deliverer.direct_room() == {Q: READ_AHEAD_MIN}
+    assert deliverer.direct_room([Q]) == {Q: READ_AHEAD_MIN}
+    assert deliverer.direct_room([R]) == {}  # no consumer
     for pending in ({Q: 3}, {Q: None}, {}):  # rows pending, or not known: they go first
-        assert consumed(pending)[0].direct_room() == {}
+        assert consumed(pending)[0].direct_room([Q]) == {}
     deliverer._returning[Q] = 1  # a nack's requeue not written yet
-    assert deliverer.direct_room() == {}
+    assert deliverer.direct_room([Q]) == {}
 
 
 def test_reserved_room_is_taken_and_the_rows_are_sent_after_the_commit() -> None:
     deliverer, link, channel = consumed({Q: 0})
     epochs = deliverer.reserve_direct({Q: 3})
-    assert deliverer.direct_room() == {Q: READ_AHEAD_MIN - 3}
+    assert deliverer.direct_room([Q]) == {Q: READ_AHEAD_MIN - 3}
     assert deliverer.capacities() == {Q: READ_AHEAD_MIN - 3}  # the claim counts them too
     rows = [(wid, Q, delivery(wid, row(Q), "", "q")) for wid in (11, 12, 13)]
 
@@ -132,7 +133,9 @@ def test_reserved_room_is_taken_and_the_rows_are_sent_after_the_commit() -> None
     asyncio.run(commit())
     assert channel.sent == [11, 12, 13]
     assert (deliverer.direct_rows, link.direct_count) == (3, 3)
-    assert deliverer.direct_room() == {Q: READ_AHEAD_MIN}  # sent: the consumer's, as claimed rows
+    assert deliverer.direct_room([Q]) == {
+        Q: READ_AHEAD_MIN
+    }  # sent: the consumer's, as claimed rows
     deliverer.release_direct({Q: 1})  # a failed commit's release never goes below 0
     assert deliverer._reserved == {}
 

@@ -84,17 +84,19 @@ class ReadAhead(DelivererState):
 
     # ---- direct delivery (publish/direct.py) ---------------------------------------------
 
-    def direct_room(self) -> dict[str, int]:
-        """Rows of a publish that each consumed stage takes without a claim, written
-        running: what its read-ahead lacks of its target, where the dispatcher knows
-        that nothing is pending (an older row goes first) and nothing goes back."""
+    def direct_room(self, stages: Iterable[str]) -> dict[str, int]:
+        """Rows of a publish that each of `stages` takes without a claim, written
+        running: what its read-ahead lacks of its consumers' target, where the
+        dispatcher knows that nothing is pending (an older row goes first) and nothing
+        goes back."""
         if self._closing:
             return {}
         room: dict[str, int] = {}
-        for stage, target in self.registry.targets(self.single_active).items():
+        registry = self.registry
+        for stage in stages:
             if self._returning.get(stage) or self._ready_bytes.get(stage, 0) >= READ_AHEAD_BYTES:
                 continue
-            free = target - self._have(stage)
+            free = registry.target(stage, self.single_active(stage)) - self._have(stage)
             if free > 0 and self.link.known_pending(stage) == 0:
                 room[stage] = free
         return room

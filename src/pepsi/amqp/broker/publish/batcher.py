@@ -347,7 +347,7 @@ class Batcher:
         Direct to hand them over after the commit); False when a row needs the general
         function (nothing written)."""
         target = None if self._direct_paused else self.direct
-        room = target.direct_room() if target is not None else {}
+        room = target.direct_room({row.stage for row in rows}) if target is not None else {}
         flags, taken = direct.choose(rows, room, self._routes) if room else ([], {})
         lean = lean_params(rows, flags if taken else None)
         if lean is None:

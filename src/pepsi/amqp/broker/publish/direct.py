@@ -15,7 +15,7 @@ picks the rows and `delivery` builds what basic.deliver sends, as the claim's
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from pepsi.publishing.message import Row
@@ -26,7 +26,7 @@ ROUTES_KEPT = 1024  # routing JSON texts remembered (one per exchange and routin
 class DirectTarget(Protocol):
     """The consumers' side of direct delivery (`Deliverer`, consume/readahead.py)."""
 
-    def direct_room(self) -> dict[str, int]: ...
+    def direct_room(self, stages: Iterable[str]) -> dict[str, int]: ...
 
     def reserve_direct(self, taken: Mapping[str, int]) -> dict[str, int]: ...
 
