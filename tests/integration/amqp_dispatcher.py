@@ -29,8 +29,10 @@ BASE = "[pepsi-amqp]\nLISTEN = 127.0.0.1:0\nHEARTBEAT = 0\n[pepsi-dispatch]\nPOL
 
 
 class DispatcherThread:
-    def __init__(self, dsn: str, extra: str = "", path: Path | None = None) -> None:
-        config = parse_config(parse_ini(BASE + extra, "test"), path)
+    def __init__(
+        self, dsn: str, extra: str = "", path: Path | None = None, *, base: str = BASE
+    ) -> None:
+        config = parse_config(parse_ini(base + extra, "test"), path)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

@@ -14,7 +14,7 @@ from psycopg.types.json import Jsonb
 
 from pepsi.amqp.broker.publish.columns import routing_json
 from pepsi.db.queries import query
-from tests.integration.amqp_dispatcher import DispatcherThread, connect, open_channel, rows
+from tests.integration.amqp_dispatcher import BASE, DispatcherThread, connect, open_channel, rows
 from tests.scenarios.conftest import wait_until
 
 Conn = psycopg.Connection[Any]
@@ -87,20 +87,27 @@ def test_a_returned_message_comes_before_one_published_after_it(broker: Dispatch
     connection.close()
 
 
-def test_rows_a_lost_commit_left_running_go_back_to_pending(
-    broker: DispatcherThread, conn: Conn
+def test_rows_a_lost_commit_left_running_go_back_and_are_claimed(
+    dsn: str, users: Conn, conn: Conn
 ) -> None:
-    # a queue's row written running, as by a publish whose connection was lost during
-    # its commit: no consumer holds it
-    declaring = connect(broker)
-    declaring.channel().queue_declare(QUEUE)
-    declaring.close()
-    props = Jsonb(json.loads(routing_json("", QUEUE)))  # what a publish writes
-    nothing: list[None] = [None]
-    args = ([STAGE], nothing, ["alice"], *[nothing] * 3, [props], nothing, nothing, [b"lost"])
-    conn.execute(query("amqp_publish"), (*args, None, [True]))  # [True]: written running
-    assert rows(conn, QUEUE) == {"running": 1}
-    amqp = broker.dispatcher.amqp_broker
-    assert amqp is not None
-    broker.run(amqp.batcher.on_orphans)  # as the batcher calls it after such a loss
-    wait_until(lambda: rows(conn, QUEUE) == {"pending": 1}, what="the row put back")
+    # no poll tick within the test: only the reset itself can make the row claimable
+    server = DispatcherThread(dsn, base=BASE.replace("POLL_INTERVAL = 1s", "POLL_INTERVAL = 1h"))
+    try:
+        connection, _, got = consumer(server, prefetch=10)
+        wait_until(lambda: known_empty(server), what="the queue known empty")
+        # a row written running, as by a publish whose connection was lost during its
+        # commit: no consumer holds it, and the dispatcher still counts the queue empty
+        props = Jsonb(json.loads(routing_json("", QUEUE)))  # what a publish writes
+        nothing: list[None] = [None]
+        args = ([STAGE], nothing, ["alice"], *[nothing] * 3, [props], nothing, nothing, [b"lost"])
+        conn.execute(query("amqp_publish"), (*args, None, [True]))  # [True]: written running
+        assert rows(conn, QUEUE) == {"running": 1}
+        amqp = server.dispatcher.amqp_broker
+        assert amqp is not None
+        server.run(amqp.batcher.on_orphans)  # as the batcher calls it after such a loss
+        receive(connection, got, 1)  # put back, its queue's count forgotten, claimed
+        assert got[0][1] == b"lost"
+        assert got[0][0].redelivered is True  # the reset cannot know it was never sent
+        connection.close()
+    finally:
+        assert server.stop() == 0

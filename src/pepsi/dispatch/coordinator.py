@@ -366,6 +366,7 @@ class Dispatcher(Endpoints):
             if broker is not None:
                 held += broker.deliverer.held()
             await self.session.reset_orphans(held)
+        self.known.heard()  # rows may be pending again: no stage's count is known
 
     def _orphans_possible(self) -> None:
         """An AMQP publish that wrote rows running lost its connection: they may be

@@ -361,17 +361,17 @@ class Batcher:
         try:
             cur = await conn.execute(LEAN_SQL, params)
             ids = [int(r[0]) for r in await cur.fetchall()]
+            chosen = [row for row, flag in zip(rows, flags, strict=True) if flag]
+            sent: list[tuple[int, str, tuple[Any, ...]]] = []
+            for wid, row in zip(ids, chosen, strict=True):
+                exchange, key = direct.route(row.properties, self._routes) or ("", row.stage)
+                sent.append((wid, row.stage, direct.delivery(wid, row, exchange, key)))
         except BaseException as error:
             target.release_direct(taken)
             self._direct_idle.set()
             if not isinstance(error, psycopg.Error) or isinstance(error, psycopg.OperationalError):
                 self.on_orphans()  # the commit's outcome is not known: rows may be running
             raise
-        chosen = [row for row, flag in zip(rows, flags, strict=True) if flag]
-        sent: list[tuple[int, str, tuple[Any, ...]]] = []
-        for wid, row in zip(ids, chosen, strict=True):
-            exchange, key = direct.route(row.properties, self._routes) or ("", row.stage)
-            sent.append((wid, row.stage, direct.delivery(wid, row, exchange, key)))
         return Direct(taken, epochs, sent)
 
     @staticmethod
