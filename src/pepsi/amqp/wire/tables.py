@@ -85,27 +85,44 @@ class _Walker:
             pos = self.need(pos, item, end) if isinstance(item, int) else self.field(item, pos, end)
         return pos
 
+    # table, array and value run once per item of a table (a Celery task's properties
+    # hold about twenty): `need`, `shortstr` and `longstr` are written out in them, the
+    # same checks and the same errors (about 40 % of the walk's time).
+
     def table(self, pos: int, end: int, depth: int) -> None:
-        while pos < end:
-            pos = self.shortstr(pos, end)  # the key
-            pos = self.value(pos, end, depth)
+        buf = self.buf
+        value = self.value
+        while pos < end:  # the key, a shortstr, then its value
+            key = pos + 1
+            if key + buf[pos] > end:
+                raise _Malformed(f"field overruns its container at octet {key}")
+            pos = value(key + buf[pos], end, depth)
 
     def array(self, pos: int, end: int, depth: int) -> None:
+        value = self.value
         while pos < end:
-            pos = self.value(pos, end, depth)
+            pos = value(pos, end, depth)
 
     def value(self, pos: int, end: int, depth: int) -> int:
         self.items += 1
         if self.items > MAX_TABLE_ITEMS:
             raise _Malformed(f"more than {MAX_TABLE_ITEMS} field-table items in one frame")
-        self.need(pos, 1, end)
+        if pos >= end:
+            raise _Malformed(f"field overruns its container at octet {pos}")
         tag = self.buf[pos]
         pos += 1
         size = _FIXED_VALUE_SIZES.get(tag)
         if size is not None:
-            return self.need(pos, size, end)
+            if pos + size > end:
+                raise _Malformed(f"field overruns its container at octet {pos}")
+            return pos + size
         if tag in _LENGTH_PREFIXED:
-            return self.longstr(pos, end)
+            if pos + 4 > end:
+                raise _Malformed(f"field overruns its container at octet {pos}")
+            after: int = pos + 4 + _U32.unpack_from(self.buf, pos)[0]
+            if after > end:
+                raise _Malformed(f"field overruns its container at octet {pos + 4}")
+            return after
         if tag in (_TABLE, _ARRAY):
             if depth >= MAX_TABLE_DEPTH:
                 raise _Malformed(f"field tables nested deeper than {MAX_TABLE_DEPTH}")
