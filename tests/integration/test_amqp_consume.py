@@ -20,6 +20,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import BasicProperties
 
 from pepsi.admin.accounts import amqp_users
+from pepsi.amqp.broker.declaring import DeclaringChannel
 from pepsi.amqp.broker.publish.batcher import Batcher
 from pepsi.amqp.broker.publish.units import Item, Unit
 from pepsi.db.backoff import Backoff
@@ -281,6 +282,29 @@ def test_two_consumers_take_turns_and_a_cancel_keeps_unacked_deliveries(
     channel.basic_ack(second[0][0].delivery_tag)
     receive(connection, second, 2, "the third message to the remaining consumer")
     assert second[1][2] == b"3"
+
+
+def test_a_declaration_names_the_consumers_when_the_catalogue_is_dropped_meanwhile(
+    amqp: Callable[[], pika.BlockingConnection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A catalogue change (a declaration's own NOTIFY, another client's) drops the cached
+    view whenever it comes, also while a declaration counts the queue: declare-ok still
+    names the queue's consumers (it answered 0, now and then, in the test above)."""
+    connection = amqp()
+    channel = connection.channel()
+    channel.queue_declare("forgotten")
+    channel.basic_consume("forgotten", lambda ch, m, p, b: None)
+    counting = DeclaringChannel._pending_count
+
+    async def count_then_forget(self: DeclaringChannel, stage: str) -> int:
+        found = await counting(self, stage)
+        self.catalogue.forget(self.vhost)  # as the listener does on a catalogue NOTIFY
+        return found
+
+    monkeypatch.setattr(DeclaringChannel, "_pending_count", count_then_forget)
+    assert channel.queue_declare("forgotten", passive=True).method.consumer_count == 1
+    assert channel.queue_declare("forgotten").method.consumer_count == 1
+    connection.close()
 
 
 def test_a_declaration_counts_what_a_closed_consumer_gives_back(

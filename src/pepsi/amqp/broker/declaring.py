@@ -184,17 +184,15 @@ class DeclaringChannel(ChannelHandler):
 
     async def queue_declare(self, method: commands.Queue.Declare) -> None:
         with self._method(method):
-            queue, count = await self._declare(method)
+            queue, stage, count = await self._declare(method)
         self.broker.expiry.touch(self.vhost, queue)  # x-expires: a use
         self.last_queue = queue
         if not method.nowait:
-            view = self.catalogue.cached(self.vhost)
-            consumers = 0
-            if view is not None and queue in view.queues:
-                stage = view.queues[queue].stage
-                deliverer = self.broker.deliverer
-                consumers = deliverer.registry.count(stage)
-                count += deliverer.ready_count(stage)  # read ahead or loading: still ready
+            # the stage the declaration found, not the cached view again: a catalogue
+            # change (this declaration's own NOTIFY) may have dropped it meanwhile
+            deliverer = self.broker.deliverer
+            consumers = deliverer.registry.count(stage)
+            count += deliverer.ready_count(stage)  # read ahead or loading: still ready
             self._reply(
                 methods.build_method(
                     commands.Queue.DeclareOk,
@@ -204,14 +202,15 @@ class DeclaringChannel(ChannelHandler):
                 )
             )
 
-    async def _declare(self, method: commands.Queue.Declare) -> tuple[str, int]:
+    async def _declare(self, method: commands.Queue.Declare) -> tuple[str, str, int]:
+        """The queue declared or found: its name, its stage, its pending messages."""
         arguments: Mapping[str, object] = dict(method.arguments or {})
         passive = bool(method.passive)
         name = declare_queue_name(str(method.queue), arguments, passive=passive, vhost=self.vhost)
         view = await self.catalogue.view(self.vhost)
         if passive:
             found = self._existing_queue(view, self._queue_name(name))
-            return found.name, await self._pending_count(found.stage)
+            return found.name, found.stage, await self._pending_count(found.stage)
         self._require(Access.CONFIGURE, QUEUE, name)
         parsed = parse_queue_arguments(arguments, queue=name, vhost=self.vhost)
         declaration = QueueDeclaration(
@@ -232,7 +231,7 @@ class DeclaringChannel(ChannelHandler):
             if stage is not None:
                 if declaration.exclusive:
                     self.broker.own(self.connection, self.vhost, name)
-                return name, 0
+                return name, stage, 0
             view = await self.catalogue.view(self.vhost)  # declared meanwhile: compare
             existing = self._existing_queue(view, name)
         owner = self.broker.exclusive.get((self.vhost, name))
@@ -241,7 +240,7 @@ class DeclaringChannel(ChannelHandler):
         )
         if error is not None:
             raise error
-        return name, await self._pending_count(existing.stage)
+        return name, existing.stage, await self._pending_count(existing.stage)
 
     async def _pending_count(self, stage: str) -> int:
         """The stage's pending rows; without a query when the dispatcher knows them (its
