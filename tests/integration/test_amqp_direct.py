@@ -111,3 +111,30 @@ def test_rows_a_lost_commit_left_running_go_back_and_are_claimed(
         connection.close()
     finally:
         assert server.stop() == 0
+
+
+def test_direct_rows_are_counted_as_claimed(dsn: str, users: Conn, conn: Conn) -> None:
+    def claimed() -> int:
+        row = conn.execute("SELECT claimed FROM pepsi.dispatch_stats").fetchone()
+        return int(row[0]) if row else 0
+
+    # no poll tick within the test: the consumers' freed credit wakes the loop, which
+    # then flushes the statistics (P-9)
+    server = DispatcherThread(dsn, base=BASE.replace("POLL_INTERVAL = 1s", "POLL_INTERVAL = 1h"))
+    try:
+        connection, channel, got = consumer(server, prefetch=10)
+        wait_until(lambda: known_empty(server), what="the queue known empty")
+        before = claimed()
+        publisher = connect(server)
+        sending = open_channel(publisher)
+        for body in (b"a", b"b", b"c"):
+            sending.basic_publish("", QUEUE, body)
+        receive(connection, got, 3)
+        assert server.run(lambda: server.deliverer.direct_rows) == 3
+        wait_until(lambda: claimed() >= before + 3, what="the direct rows counted as claimed")
+        for method, _ in got:
+            channel.basic_ack(method.delivery_tag)
+        publisher.close()
+        connection.close()
+    finally:
+        assert server.stop() == 0
