@@ -1,7 +1,8 @@
 """AMQP: Pepsi's listener next to RabbitMQ, cell by cell (issues 16 and 36).
 
     .venv/bin/python bench/amqp.py [--messages 20000] [--window 1000] [--reps 3]
-                                   [--celery-tasks 2000] [--no-celery] [--json FILE]
+                                   [--celery-tasks 2000] [--no-celery]
+                                   [--latency-samples 200] [--json FILE]
 
 Cells, each for 1 KB and 10 KB bodies:
 

@@ -372,7 +372,7 @@ class Dispatcher(Endpoints):
         """An AMQP publish that wrote rows running lost its connection: they may be
         committed, and held by no one."""
         self.orphans_due = True
-        self.wake_event.set()
+        self._wake_bare()
 
     def sleep_time(self) -> float:
         return decisions.sleep_time(

@@ -60,19 +60,30 @@ class ReadAhead(DelivererState):
         loaded: dict[int, Sequence[Any]] = {}
         for wid, stage, row in rows:
             claimed.append((wid, stage, self._epoch.get(stage, 0)))
-            self._loading[stage] = self._loading.get(stage, 0) + 1
             if row is not None:
                 loaded[wid] = row
-        if not claimed:
-            return
-        if len(loaded) == len(claimed) and not self._loads_pending():
+        if self._take_in(claimed, loaded):
             self.loaded_with_claim += len(claimed)
+
+    def _take_in(
+        self, claimed: list[tuple[int, str, int]], loaded: Mapping[int, Sequence[Any]]
+    ) -> bool:
+        """Rows taken for consumers ((id, stage, epoch), and those that came loaded) into
+        the read-ahead: at once when every one came loaded and no load is under way
+        (that would hold older rows); else the fetch task loads them, in order. Whether
+        at once."""
+        for _, stage, _ in claimed:
+            self._loading[stage] = self._loading.get(stage, 0) + 1
+        if not claimed:
+            return False
+        if len(loaded) == len(claimed) and not self._loads_pending():
             for stage in self._load(claimed, loaded):
                 self.pump(stage)
-            return
+            return True
         self._claimed += claimed
         self._start()
         self._fetch_wake.set()
+        return False
 
     def _have(self, stage: str) -> int:
         """The stage's rows read ahead, loading, or being written for it (direct)."""
@@ -120,23 +131,14 @@ class ReadAhead(DelivererState):
     def deliver_direct(
         self, rows: Sequence[tuple[int, str, Sequence[Any]]], epochs: Mapping[str, int]
     ) -> None:
-        """Rows committed running for the consumers, as a claim's loaded rows: into the
-        read-ahead, and sent; behind a load under way (it holds older rows), loaded
-        again after it."""
+        """Rows committed running for the consumers, as a claim's loaded rows, with the
+        epochs of their reservation (a row given back meanwhile goes first)."""
+        if not rows:
+            return
+        self.direct_rows += len(rows)
+        self.link.direct(len(rows))
         claimed = [(wid, stage, epochs.get(stage, 0)) for wid, stage, _ in rows]
-        for _, stage, _ in rows:
-            self._loading[stage] = self._loading.get(stage, 0) + 1
-        if not claimed:
-            return
-        self.direct_rows += len(claimed)
-        self.link.direct(len(claimed))
-        if not self._loads_pending():
-            for stage in self._load(claimed, {wid: row for wid, _, row in rows}):
-                self.pump(stage)
-            return
-        self._claimed += claimed
-        self._start()
-        self._fetch_wake.set()
+        self._take_in(claimed, {wid: row for wid, _, row in rows})
 
     def _loads_pending(self) -> bool:
         """Whether claimed rows wait for the fetch task or are in its load."""
