@@ -3,7 +3,8 @@
     .venv/bin/python bench/publish.py [--messages 5000] [--reps 3]
 
 All in one run, 1 KB bodies, on a scratch database `pepsi_bench_publish`:
-- raw INSERT, one row per commit (the commit limit of this machine) and
+- raw INSERT, one row per commit (the commit limit of this machine; again
+  through psycopg's AsyncConnection, the async publish's own baseline) and
   1 000 rows per commit (the row limit; its bytea[] sent as text, as psycopg
   does for `%s`, and in binary with `%b`), into a table with just a key;
 - publish one message per call (one confirm each), sync and async;
@@ -114,11 +115,31 @@ def raw_inserts(dsn: str, n: int) -> dict[str, dict[str, float]]:
         pid = [conn.info.backend_pid]
         return {
             "one_row_per_commit": timed(n, one_per_commit, pid),
+            "one_row_per_commit_async": raw_async(dsn, n),
             "1000_rows_per_commit": timed(max(1, n // 1000) * 1000, thousand_per_commit, pid),
             "1000_rows_per_commit_binary": timed(
                 max(1, n // 1000) * 1000, thousand_per_commit_binary, pid
             ),
         }
+
+
+def raw_async(dsn: str, n: int) -> dict[str, float]:
+    """One row per commit through an AsyncConnection, in a loop of its own as the async
+    publish runs: what asyncio and psycopg's async path cost before Pepsi's part."""
+    loop = asyncio.new_event_loop()
+    conn = loop.run_until_complete(psycopg.AsyncConnection.connect(dsn, autocommit=True))
+
+    async def one_per_commit() -> None:
+        for _ in range(n):
+            await conn.execute("INSERT INTO raw (body) VALUES (%s)", (BODY,))
+
+    try:
+        loop.run_until_complete(conn.execute("SET synchronous_commit = on"))
+        pid = [conn.info.backend_pid]
+        return timed(n, lambda: loop.run_until_complete(one_per_commit()), pid)
+    finally:
+        loop.run_until_complete(conn.close())
+        loop.close()
 
 
 def publishes(dsn: str, conf: Path, n: int) -> dict[str, dict[str, float]]:
@@ -231,15 +252,18 @@ def main() -> int:
     }
     print(json.dumps(results, indent=2))
     commit_limit = raw["one_row_per_commit"]["per_s"]
+    async_limit = raw["one_row_per_commit_async"]["per_s"]
     row_limit = raw["1000_rows_per_commit"]["per_s"]
     binary_limit = raw["1000_rows_per_commit_binary"]["per_s"]
     print(
-        f"SUMMARY (median of {results['reps']}) raw: {commit_limit:.0f} commits/s, "
+        f"SUMMARY (median of {results['reps']}) raw: {commit_limit:.0f} commits/s "
+        f"({async_limit:.0f} async), "
         f"{row_limit:.0f} rows/s batched ({binary_limit:.0f} with binary bytea); "
         f"publish single {pub['single']['per_s']:.0f}/s "
         f"({pub['single']['per_s'] / commit_limit:.2f}x commit limit), "
         f"async single {pub['async_single']['per_s']:.0f}/s "
-        f"({pub['async_single']['per_s'] / commit_limit:.2f}x), "
+        f"({pub['async_single']['per_s'] / commit_limit:.2f}x; "
+        f"{pub['async_single']['per_s'] / async_limit:.2f}x async commit limit), "
         f"batch 100 {pub['batch_100']['per_s']:.0f}/s, "
         f"batch 1000 {pub['batch_1000']['per_s']:.0f}/s "
         f"({pub['batch_1000']['per_s'] / row_limit:.2f}x row limit, "
@@ -252,7 +276,8 @@ def main() -> int:
 
     print(
         "CPU µs a message, client + its backends (the run with the median rate): raw "
-        f"{cpu(raw['one_row_per_commit'])}, publish {cpu(pub['single'])}, async "
+        f"{cpu(raw['one_row_per_commit'])}, raw async {cpu(raw['one_row_per_commit_async'])}, "
+        f"publish {cpu(pub['single'])}, async "
         f"{cpu(pub['async_single'])}; raw 1000 binary {cpu(raw['1000_rows_per_commit_binary'])}, "
         f"publish_many 1000 {cpu(pub['batch_1000'])}"
     )
