@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 
 from pepsi.amqp.broker.consume.delivery import Deliverer
 from pepsi.amqp.broker.consume.fetched import Fetched, fetched_row
+from pepsi.amqp.broker.consume.state import subtract
 from pepsi.amqp.broker.publish.columns import routing_json
 from pepsi.amqp.broker.publish.direct import choose, delivery, route
 from pepsi.amqp.broker.publish.units import Item, Unit, rows_per_stage
@@ -107,6 +108,16 @@ def consumed(pending: dict[str, int | None]) -> tuple[Deliverer, Link, Channel]:
     deliverer.link = link  # type: ignore[assignment]
     deliverer.registry.add(Consumer("c", "q", Q, ChannelBook(owner=channel), prefetch=10))
     return deliverer, link, channel
+
+
+def test_a_per_stage_count_keeps_only_stages_with_some() -> None:
+    counts = {"a": 3, "b": 1}
+    subtract(counts, "a", 2)
+    subtract(counts, "b", 1)
+    subtract(counts, "c", 1)  # a release after its count went: nothing left to hold
+    assert counts == {"a": 1}
+    subtract(counts, "a", 5)
+    assert counts == {}
 
 
 def test_room_only_where_consumers_wait_and_nothing_is_pending() -> None:

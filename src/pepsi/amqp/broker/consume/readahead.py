@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 
 from pepsi.amqp.broker.consume.fetched import Fetched, fetched_row
-from pepsi.amqp.broker.consume.state import DelivererState, id_array, quorum_queue
+from pepsi.amqp.broker.consume.state import DelivererState, id_array, quorum_queue, subtract
 from pepsi.db.queries import query
 from pepsi.errors import PepsiError, one_line
 
@@ -122,11 +122,7 @@ class ReadAhead(DelivererState):
     def release_direct(self, taken: Mapping[str, int]) -> None:
         """The reservation ends: committed (then `deliver_direct`) or not."""
         for stage, n in taken.items():
-            left = self._reserved.get(stage, 0) - n
-            if left > 0:
-                self._reserved[stage] = left
-            else:
-                self._reserved.pop(stage, None)
+            subtract(self._reserved, stage, n)
 
     def deliver_direct(
         self, rows: Sequence[tuple[int, str, Sequence[Any]]], epochs: Mapping[str, int]
@@ -276,11 +272,7 @@ class ReadAhead(DelivererState):
             ready.append(fetched)
             added[stage] = added.get(stage, 0) + len(fetched.body)
         for stage, count in loaded.items():
-            left = self._loading.get(stage, 0) - count
-            if left > 0:
-                self._loading[stage] = left
-            else:
-                self._loading.pop(stage, None)
+            subtract(self._loading, stage, count)
         for stage, size in added.items():
             self._ready_bytes[stage] = self._ready_bytes.get(stage, 0) + size
         for stage, ids in gone.items():

@@ -23,7 +23,13 @@ import psycopg
 
 from pepsi.amqp.broker.catalogue import Queue
 from pepsi.amqp.broker.consume.outcomes import SETTLE_GATHER_SECONDS, Outcomes, worth_gathering
-from pepsi.amqp.broker.consume.state import AConn, DelivererState, id_array, quorum_queue
+from pepsi.amqp.broker.consume.state import (
+    AConn,
+    DelivererState,
+    id_array,
+    quorum_queue,
+    subtract,
+)
 from pepsi.amqp.model.consumers import Delivery
 from pepsi.amqp.wire import dead_letters, headers
 from pepsi.amqp.wire.properties import decode_properties
@@ -260,11 +266,7 @@ class Settle(DelivererState):
 
     def _report(self, batch: Outcomes) -> None:
         for stage, _ in (*batch.returned, *batch.unsent):
-            left = self._returning.get(stage, 0) - 1
-            if left > 0:
-                self._returning[stage] = left
-            else:
-                self._returning.pop(stage, None)
+            subtract(self._returning, stage, 1)
         for kind, pairs in (("consumed", batch.acked), ("returned", batch.returned),
                             ("returned", batch.unsent)):  # fmt: skip
             by_stage: dict[str, list[int]] = {}

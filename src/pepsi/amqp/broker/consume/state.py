@@ -101,6 +101,16 @@ def id_array(ids: Iterable[int]) -> str:
     return "{" + ",".join(map(str, ids)) + "}"
 
 
+def subtract(counts: dict[str, int], stage: str, n: int) -> None:
+    """`counts[stage]` less `n`; a stage left with none is dropped (the per-stage counts
+    of rows loading, reserved or going back hold only stages with some)."""
+    left = counts.get(stage, 0) - n
+    if left > 0:
+        counts[stage] = left
+    else:
+        counts.pop(stage, None)
+
+
 async def count_between_claims(link: DispatchLink, count: Callable[[], Awaitable[int]]) -> int:
     """`count()` of a stage's pending rows, taken while no claim runs, and again if one ran
     meanwhile (at most COUNT_TRIES times). The caller adds the read-ahead: a claim that
@@ -239,4 +249,5 @@ __all__ = [
     "NoDispatch",
     "id_array",
     "quorum_queue",
+    "subtract",
 ]
