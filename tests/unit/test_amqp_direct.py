@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 from pepsi.amqp.broker.consume.delivery import Deliverer
 from pepsi.amqp.broker.consume.fetched import Fetched, fetched_row
-from pepsi.amqp.broker.consume.state import subtract
+from pepsi.amqp.broker.consume.state import NoDispatch, subtract
 from pepsi.amqp.broker.publish.columns import routing_json
 from pepsi.amqp.broker.publish.direct import choose, delivery, route
 from pepsi.amqp.broker.publish.units import Item, Unit, rows_per_stage
@@ -68,7 +68,9 @@ def test_direct_rows_are_not_pending() -> None:
     assert rows_per_stage(units, {Q: 2, R: 1}) == {}  # nothing pending: no news
 
 
-class Link:
+class Link(NoDispatch):
+    """The dispatcher's side: what it knows pending, and the direct rows it is told of."""
+
     def __init__(self, pending: dict[str, int | None]) -> None:
         self.pending = pending
         self.direct_count = 0
@@ -82,12 +84,6 @@ class Link:
 
     def direct(self, count: int) -> None:
         self.direct_count += count
-
-    def returned(self, stage: str, ids: list[int]) -> None:
-        pass
-
-    def consumed(self, stage: str, ids: list[int]) -> None:
-        pass
 
 
 class Channel:
@@ -105,7 +101,7 @@ class Channel:
 def consumed(pending: dict[str, int | None]) -> tuple[Deliverer, Link, Channel]:
     deliverer = Deliverer("", 1.0)
     link, channel = Link(pending), Channel()
-    deliverer.link = link  # type: ignore[assignment]
+    deliverer.link = link
     deliverer.registry.add(Consumer("c", "q", Q, ChannelBook(owner=channel), prefetch=10))
     return deliverer, link, channel
 
@@ -124,7 +120,8 @@ def test_room_only_where_consumers_wait_and_nothing_is_pending() -> None:
     deliverer, _, _ = consumed({Q: 0})
     assert deliverer.direct_room([Q]) == {Q: READ_AHEAD_MIN}
     assert deliverer.direct_room([R]) == {}  # no consumer
-    for pending in ({Q: 3}, {Q: None}, {}):  # rows pending, or not known: they go first
+    unsure: list[dict[str, int | None]] = [{Q: 3}, {Q: None}, {}]
+    for pending in unsure:  # rows pending, or not known: they go first
         assert consumed(pending)[0].direct_room([Q]) == {}
     deliverer._returning[Q] = 1  # a nack's requeue not written yet
     assert deliverer.direct_room([Q]) == {}

@@ -10,23 +10,20 @@ from collections import deque
 from pepsi.amqp.broker.consume.delivery import Deliverer
 from pepsi.amqp.broker.consume.fetched import Fetched
 from pepsi.amqp.broker.consume.readahead import LOAD_STEP
+from pepsi.amqp.broker.consume.state import NoDispatch
 from pepsi.amqp.model.consumers import READ_AHEAD_MIN, ChannelBook, Consumer, Delivery
 
 STAGE = "amqp:/:q"
 
 
-class Link:
+class Link(NoDispatch):
+    """The dispatcher's side: its wakeups, counted."""
+
     def __init__(self) -> None:
         self.wakes = 0
 
     def wake(self, cause: str) -> None:
         self.wakes += 1
-
-    def returned(self, stage: str, ids: list[int]) -> None:
-        pass
-
-    def consumed(self, stage: str, ids: list[int]) -> None:
-        pass
 
 
 class Channel:
